@@ -1,0 +1,38 @@
+# Two commands on a fresh machine (see README.md):  make demo  |  make test
+# Both create or reuse .venv, install what they need, then run.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel. On a GPU node use NVIDIA's container (Dockerfile) instead of this Makefile.
+TORCH  ?= torch==2.13.0
+MCORE  ?= megatron-core==0.16.1
+STAMP  := $(VENV)/.adacc-installed
+SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
+
+.PHONY: demo test test-all lint bench-quick install clean
+
+demo: $(STAMP)
+	$(VENV)/bin/adacc train
+
+test: $(STAMP)
+	ADACC_REQUIRE_EXT=1 $(PY) -m pytest -n 2 -m "not slow" --timeout 900 -q -p no:cacheprovider
+
+test-all: $(STAMP)
+	ADACC_REQUIRE_EXT=1 $(PY) -m pytest -n 2 --timeout 1800 -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megatron_adacc tests
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(MCORE)" pulp pybind11 numpy packaging tqdm setuptools wheel ninja
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+clean:
+	rm -rf build megatron_adacc/_C*.so *.egg-info

@@ -1,0 +1,1 @@
+"""`adacc bench NAME`: one module per benchmark, sharing :mod:`megatron_adacc.bench.harness`."""

@@ -1,0 +1,46 @@
+"""Training-run benchmarks: run `adacc train` with given flags in a child process and collect its summary.
+
+Each method runs twice in its own process: once with the default allocator for time, once with a fixed mmap
+threshold for memory (peak RSS under glibc's default malloc keeps freed buffers; docs/measuring.md). On CUDA
+one run gives both (``torch.cuda.max_memory_allocated``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from . import harness
+
+
+def train_method(flags: list[str], memory_run: bool = True, timeout: float = 1800) -> dict:
+    """Metrics of one `adacc train` invocation: step_time_s, tokens_per_s, final_loss, losses,
+    saved_activation_bytes, peak_memory_bytes (from a low-fragmentation run when ``memory_run``)."""
+    timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout)
+    out = {k: timed[k] for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
+                                 "peak_memory_bytes", "losses")}
+    out["peak_memory_source"] = timed["peak_memory_kind"]
+    if memory_run and timed["device"] == "cpu":
+        mem = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout,
+                                            low_fragmentation_malloc=True)
+        out["peak_memory_bytes"] = mem["peak_memory_bytes"]
+        out["peak_memory_source"] = "peak_rss (MALLOC_MMAP_THRESHOLD_=65536 run)"
+    return out
+
+
+def _child(payload_path: str) -> None:
+    from ..compat import quiet_fallback_warnings
+    from ..training.args import parse_train_args
+    from ..training.loop import train
+
+    quiet_fallback_warnings()
+    flags = json.load(open(payload_path))["flags"]
+    summary = train(parse_train_args(flags + ["--no-progress"]))
+    summary.pop("step_times_s", None)
+    sys.stdout.flush()
+    print()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

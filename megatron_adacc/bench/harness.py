@@ -1,0 +1,175 @@
+"""The benchmark convention every `adacc bench NAME` follows.
+
+* ``megatron_adacc/bench/NAME.py`` defines ``add_arguments(parser)`` and ``run(args) -> dict``; it is found by
+  name, so adding a benchmark touches no other file.
+* Methods run side by side in one invocation; where memory is measured each method runs in its own
+  subprocess (:func:`run_method_subprocess`), so one method's allocator state cannot leak into another's.
+* Results: a table with ratios to a baseline (:func:`print_table`) and ``benchmarks/results/NAME.json``
+  (:func:`write_results`) holding ``machine``, ``versions``, ``config`` and ``methods: {name: {metric: v}}``
+  with the shared metric names below, plus a PNG where a curve says more.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import pkgutil
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+METRICS = (
+    "step_time_s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss",
+    "compress_gbps", "decompress_gbps", "copy_gbps", "compression_ratio",
+)
+#: Metrics where smaller is better; the table's ratio column reads "x slower / x larger" for these.
+LOWER_IS_BETTER = {"step_time_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss"}
+
+_NOT_BENCHMARKS = {"harness", "common"}
+
+
+def available_benchmarks() -> list[str]:
+    import megatron_adacc.bench as pkg
+
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name not in _NOT_BENCHMARKS
+                  and not m.name.startswith("_"))
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        info["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    else:
+        info["gpu"] = None
+    return info
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        from ..compat import megatron_version
+
+        out["megatron_core"] = megatron_version()
+    except Exception:  # noqa: BLE001 - a benchmark without megatron still reports
+        out["megatron_core"] = None
+    from .. import __version__
+
+    out["megatron_adacc"] = __version__
+    try:
+        from .. import codecs
+
+        out["codec_backend"] = codecs.backend()
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def results_dir(args=None) -> Path:
+    out = Path(getattr(args, "output_dir", None) or RESULTS_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_results(name: str, config: dict, methods: dict, extra: dict | None = None, args=None) -> Path:
+    """Write ``benchmarks/results/NAME.json`` in the common format and return its path."""
+    payload = {"benchmark": name, "machine": machine_info(), "versions": versions(), "config": config,
+               "methods": methods}
+    if extra:
+        payload.update(extra)
+    path = results_dir(args) / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+    print(f"wrote {path}")
+    return path
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def _fmt(metric: str, value) -> str:
+    if value is None:
+        return "-"
+    if metric.endswith("_bytes"):
+        from ..training.memory import format_bytes
+
+        return format_bytes(value)
+    if metric == "step_time_s":
+        return f"{value * 1e3:.1f} ms"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_table(methods: dict, baseline: str | None = None, metrics: list[str] | None = None,
+                title: str | None = None) -> str:
+    """Print (and return) a table of ``methods`` with each metric's ratio to ``baseline``."""
+    metrics = metrics or [m for m in METRICS if any(m in v for v in methods.values())]
+    rows = [["method"] + [m + (f" (x {baseline})" if baseline else "") for m in metrics]]
+    base = methods.get(baseline, {}) if baseline else {}
+    for name, values in methods.items():
+        row = [name]
+        for m in metrics:
+            v = values.get(m)
+            cell = _fmt(m, v)
+            b = base.get(m)
+            if baseline and isinstance(v, (int, float)) and isinstance(b, (int, float)) and b:
+                cell += f" ({v / b:.2f}x)"
+            row.append(cell)
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    text = "\n".join(([title, ""] if title else []) + lines)
+    print(text)
+    return text
+
+
+def run_method_subprocess(module: str, payload: dict, env: dict | None = None, timeout: float = 1800,
+                          low_fragmentation_malloc: bool = False) -> dict:
+    """Run ``python -m module`` with ``payload`` as JSON in a fresh process; return the JSON it prints last.
+
+    The child reads the payload path from argv[1] and must print one JSON object as its last stdout line.
+    ``low_fragmentation_malloc`` sets ``MALLOC_MMAP_THRESHOLD_=65536`` so that peak RSS follows live memory
+    (glibc otherwise keeps freed activation buffers; see docs/measuring.md). Use it for memory runs only:
+    it slows large allocations.
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(payload, fh)
+        path = fh.name
+    child_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if low_fragmentation_malloc:
+        child_env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    child_env.update(env or {})
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, path], capture_output=True, text=True,
+                              timeout=timeout, env=child_env)
+    finally:
+        os.unlink(path)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not last:
+        raise RuntimeError(f"{module} printed no JSON result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(last[-1])

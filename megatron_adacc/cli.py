@@ -1,0 +1,68 @@
+"""The `adacc` command: train, bench, and the policy tools (profile, solve, show)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    from .training.args import add_train_args, parse_train_args
+    from .training.loop import train
+
+    parser = add_train_args(argparse.ArgumentParser(
+        prog="adacc train",
+        description="Train a megatron-core GPT on the embedded corpus (Python's own documentation, byte "
+                    "tokens) with Megatron's DDP and optimizer, and report loss, step time and memory. "
+                    "Runs on CPU or CUDA, in one process or under torchrun.",
+    ))
+    train(parse_train_args(argv, parser))
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from .bench import harness
+
+    names = harness.available_benchmarks()
+    parser = argparse.ArgumentParser(prog="adacc bench", description="Run a benchmark: methods side by side, "
+                                     "a table with ratios, benchmarks/results/NAME.json (and a PNG).")
+    parser.add_argument("name", choices=names)
+    first, rest = parser.parse_known_args(argv[:1])
+    module = importlib.import_module(f"megatron_adacc.bench.{first.name}")
+    sub = argparse.ArgumentParser(prog=f"adacc bench {first.name}", description=module.__doc__)
+    sub.add_argument("--quick", action="store_true", help="A CI-sized run (under a minute on 2 cores).")
+    sub.add_argument("--output-dir", default=None, help="Where results go (default: benchmarks/results).")
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:] + rest)
+    module.run(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from .compat import quiet_fallback_warnings
+
+    quiet_fallback_warnings()
+    commands = {"train": _train, "bench": _bench}
+    policy_commands = ("profile", "solve", "show")
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: adacc {train,bench,profile,solve,show} ...\n\n"
+              "  train    train a megatron-core GPT (see `adacc train --help`)\n"
+              "  bench    run a benchmark (see `adacc bench --help`)\n"
+              "  profile  profile per-op costs of a transformer layer into the profile database\n"
+              "  solve    solve Adacc's MILP for a memory budget and write a policy file\n"
+              "  show     print a policy file as a per-op table")
+        return 0
+    if argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    if argv[0] in policy_commands:
+        from .policy import cli as policy_cli
+
+        return policy_cli.main(argv)
+    print(f"adacc: unknown command {argv[0]!r}; see `adacc --help`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

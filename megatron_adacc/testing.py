@@ -1,0 +1,129 @@
+"""Helpers for tests that run real megatron-core on the CPU.
+
+Nothing here stubs Megatron: ``build_tiny_gpt`` builds megatron-core's own ``GPTModel`` (local layer spec)
+after the CPU compatibility layer is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .training.data import VOCAB_SIZE
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+TINY_CONFIG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=256,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    use_cpu_initialization=True,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    gradient_accumulation_fusion=False,
+)
+
+
+@contextlib.contextmanager
+def memory_cap(gib: float):
+    """Cap this process's address space at ``gib`` GiB for the duration (RLIMIT_AS).
+
+    One megatron-core configuration (selective ``mlp`` recompute with biased linears) recurses without bound
+    in ``CheckpointFunction.backward``; under the cap it fails with MemoryError instead of taking the machine.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = int(gib * 2**30)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def init_distributed_single(seed: int = 1234) -> None:
+    """A world of one over gloo, megatron's parallel state, CPU layer, and seeded RNG tracker (idempotent)."""
+    from .compat import quiet_fallback_warnings
+    from .training import distributed
+
+    quiet_fallback_warnings()
+    distributed.initialize(torch.device("cpu"), seed)
+
+
+def tiny_config(**overrides):
+    """A megatron-core ``TransformerConfig`` for a 2-layer, hidden-64 GPT, with ``overrides`` applied."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**{**TINY_CONFIG, **overrides})
+
+
+def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, **config_overrides) -> torch.nn.Module:
+    """megatron-core's ``GPTModel`` with the local spec, deterministic weights from ``seed``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .training.distributed import set_seed
+
+    init_distributed_single(seed)
+    set_seed(seed)
+    return GPTModel(
+        config=tiny_config(**config_overrides),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=seq_length,
+    )
+
+
+def tiny_batch(batch_size: int = 2, seq_length: int = 32, seed: int = 0):
+    """A deterministic batch from the embedded corpus: (tokens, position_ids, attention_mask, labels)."""
+    from .training.data import BatchSampler
+
+    b = next(BatchSampler(seq_length, batch_size, seed))
+    return b.tokens, b.position_ids, b.attention_mask, b.labels
+
+
+def loss_and_grads(model: torch.nn.Module, batch, rng_seed: int = 7) -> tuple[torch.Tensor, dict]:
+    """One forward and backward from a fixed RNG state; returns the loss and a name -> grad copy map."""
+    from .training.distributed import set_seed
+
+    set_seed(rng_seed)
+    model.zero_grad(set_to_none=True)
+    tokens, position_ids, mask, labels = batch
+    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] | None = None,
+                 timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` under ``torchrun --nproc_per_node nproc`` on 127.0.0.1 and return the completed process.
+
+    Raises with the combined output when the run fails, so a test failure shows the ranks' tracebacks.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *(args or [])]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

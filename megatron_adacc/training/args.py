@@ -1,0 +1,68 @@
+"""The `adacc train` command line: Megatron-LM's flags, ours, and a TOML config file beneath both."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from ..arguments import add_adacc_args, add_megatron_args
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = "tiny"
+
+
+def resolve_config(name: str) -> Path:
+    """A path, or the name of a file in ``configs/`` (``tiny`` -> ``configs/tiny.toml``)."""
+    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.toml"):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise SystemExit(f"--config {name}: no such file, and no configs/{name}.toml (known: {known})")
+
+
+def load_config(name: str, parser: argparse.ArgumentParser) -> dict:
+    path = resolve_config(name)
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SystemExit(f"--config {path}: not valid TOML: {exc}") from exc
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SystemExit(f"--config {path}: unknown keys {unknown}; keys are flag names with '_' for '-'")
+    return values
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
+                        help="Model and training defaults: a TOML file or a name in configs/ "
+                             f"(default: {DEFAULT_CONFIG}). Flags on the command line win.")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA when available, else CPU (megatron-core with our CPU layer, gloo).")
+    add_megatron_args(parser)
+    add_adacc_args(parser)
+    g = parser.add_argument_group("output")
+    g.add_argument("--save", default=None, metavar="DIR", help="Write a checkpoint to DIR at the end.")
+    g.add_argument("--save-interval", type=int, default=None, metavar="ITERS")
+    g.add_argument("--load", default=None, metavar="DIR", help="Resume from the checkpoint in DIR.")
+    g.add_argument("--output-json", default=None, metavar="PATH",
+                   help="Write the run's summary (losses, step times, memory) as JSON.")
+    g.add_argument("--no-progress", action="store_true", help="No progress bar (logs, CI).")
+    return parser
+
+
+def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+                     ) -> SimpleNamespace:
+    """Parse `adacc train` flags: config-file values first, command-line values over them."""
+    parser = parser or add_train_args(argparse.ArgumentParser(prog="adacc train"))
+    first, _ = parser.parse_known_args(argv)
+    parser.set_defaults(**load_config(first.config, parser))
+    args = parser.parse_args(argv)
+    return SimpleNamespace(**vars(args))

@@ -1,0 +1,63 @@
+"""The embedded training corpus: English text that ships with CPython, as byte-level tokens.
+
+`pydoc_data.topics` is the text of Python's reference documentation (~466 KB), present in every CPython
+install, so `adacc train` needs no download. Tokens are UTF-8 bytes (vocabulary 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+VOCAB_SIZE = 256
+
+
+@lru_cache(maxsize=1)
+def corpus_tokens() -> torch.Tensor:
+    """The whole corpus as a 1-D int64 tensor of byte values."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [b, s] input ids
+    labels: torch.Tensor  # [b, s] next-token targets
+    position_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [1, 1, s, s] bool, True = masked out (Megatron's convention)
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.position_ids, self.attention_mask)))
+
+
+class BatchSampler:
+    """Random windows of the corpus, reproducible from a seed; the last 5% is held out for validation.
+
+    In data parallel, each rank draws from its own stream (seed + rank), as a distributed sampler would.
+    """
+
+    def __init__(self, seq_length: int, micro_batch_size: int, seed: int, split: str = "train",
+                 rank: int = 0):
+        tokens = corpus_tokens()
+        cut = int(len(tokens) * 0.95)
+        self.tokens = tokens[:cut] if split == "train" else tokens[cut:]
+        if len(self.tokens) <= seq_length + 1:
+            raise ValueError(f"--seq-length {seq_length} is longer than the {split} corpus")
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.generator = torch.Generator().manual_seed(seed * 1000 + rank + (0 if split == "train" else 7))
+        self.mask = torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)[None, None]
+        self.position_ids = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, -1)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        starts = torch.randint(0, len(self.tokens) - self.seq_length - 1, (self.micro_batch_size,),
+                               generator=self.generator)
+        windows = torch.stack([self.tokens[s: s + self.seq_length + 1] for s in starts.tolist()])
+        return Batch(windows[:, :-1], windows[:, 1:], self.position_ids, self.mask)

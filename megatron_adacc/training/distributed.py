@@ -1,0 +1,67 @@
+"""Process-group and model-parallel set-up for `adacc train` (single process or torchrun)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without a GPU is an error with the fix."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for, but torch sees no CUDA device; use --device cpu.")
+    return torch.device(requested)
+
+
+def initialize(device: torch.device, seed: int) -> tuple[int, int]:
+    """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron's model-parallel state.
+
+    Works with or without torchrun: a single process becomes rank 0 of a world of 1. Returns (rank, world).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if device.type == "cpu":
+        from ..compat import cpu
+
+        cpu.apply()
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("gloo" if device.type == "cpu" else "nccl")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    set_seed(seed)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def set_seed(seed: int) -> None:
+    """Seed python-side torch RNG and megatron's tracker exactly as Megatron-LM's initialize does."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down megatron's state and the process group, so a process can initialize again (tests)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

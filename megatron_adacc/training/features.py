@@ -1,0 +1,46 @@
+"""Turn feature flags into training extensions. Each feature's package is imported only when its flag is on,
+so `adacc train` with every flag off runs stock megatron-core and nothing else."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from .extension import TrainingExtension
+
+
+def check_flag_combinations(args: SimpleNamespace) -> None:
+    """Combinations that cannot mean anything sensible, refused before any work is done."""
+    adacc_on = args.adacc_policy != "none"
+    if adacc_on and args.recompute_granularity:
+        raise SystemExit(
+            f"--adacc-policy {args.adacc_policy} decides recomputation itself; drop "
+            f"--recompute-granularity {args.recompute_granularity} (or use --adacc-policy none)."
+        )
+    if adacc_on and args.gact_level != "L0":
+        raise SystemExit(
+            "--adacc-policy and --gact-level both compress activations with saved-tensor hooks and cannot be "
+            "stacked. Use --adacc-codec gact to let Adacc's compressed tensors use GACT's adaptive bits."
+        )
+    if args.adama and args.resireduce != "off":
+        raise SystemExit(
+            "--adama all-reduces Adam's moments once per mini-batch instead of gradients, so there is no "
+            "gradient communication for --resireduce to compress. Use one of the two."
+        )
+
+
+def build_extensions(args: SimpleNamespace, config) -> list[TrainingExtension]:
+    """The extensions the flags ask for, in the order their hooks should nest (outermost first)."""
+    extensions: list[TrainingExtension] = []
+    if args.adacc_policy != "none":
+        from ..megatron import build_extension as adacc_extension
+
+        extensions.append(adacc_extension(args, config))
+    if args.gact_level != "L0":
+        from ..gact import build_extension as gact_extension
+
+        extensions.append(gact_extension(args))
+    if args.resireduce != "off":
+        from ..comm import build_extension as comm_extension
+
+        extensions.append(comm_extension(args))
+    return extensions

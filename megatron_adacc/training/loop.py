@@ -1,0 +1,230 @@
+"""`adacc train`: train a megatron-core GPT on the embedded corpus with Megatron's DDP and optimizer.
+
+The loop is Megatron-LM's ``train_step`` without pipeline parallelism: zero the grad buffer, run the
+micro-batches (all but the last under ``no_sync``), finish the gradient reduction, step the optimizer.
+Features join through :mod:`megatron_adacc.training.extension`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from . import distributed, model as model_lib
+from .data import BatchSampler
+from .extension import TrainingContext
+from .features import build_extensions, check_flag_combinations
+from .memory import SavedTensorMeter, format_bytes, peak_memory_bytes, reset_peak_memory
+
+
+def num_microbatches(args: SimpleNamespace, world: int) -> int:
+    per_step = args.micro_batch_size * world
+    if args.global_batch_size % per_step:
+        raise SystemExit(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {world}."
+        )
+    return args.global_batch_size // per_step
+
+
+def _forward_loss(model, batch) -> torch.Tensor:
+    per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    return per_token.float().mean()
+
+
+def _progress(iterable, enabled: bool, total: int):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, unit="it", dynamic_ncols=True, desc="train")
+
+
+def train(args: SimpleNamespace, return_model: bool = False):
+    """Run the training job described by ``args`` and return its summary (also written to --output-json).
+
+    With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
+    """
+    check_flag_combinations(args)
+    model_lib.check_supported(args)
+    device = distributed.resolve_device(args.device)
+    rank, world = distributed.initialize(device, args.seed)
+    n_micro = num_microbatches(args, world)
+    config = model_lib.transformer_config(args, device)
+    extensions = build_extensions(args, config)
+
+    model = model_lib.build_gpt(args, config).to(device)
+    if args.adama:
+        from ..optim.megatron import setup_adama
+
+        chunks, optimizer = setup_adama(args, [model], config)
+        ddp = chunks[0]
+    else:
+        ddp = model_lib.wrap_ddp(args, config, model)
+        optimizer = model_lib.build_optimizer(args, ddp)
+    params = [p for p in model.parameters()]
+
+    sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank)
+    probe_batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=rank)
+
+    def forward_backward() -> float:
+        batch = next(probe_batches).to(device)
+        loss = _forward_loss(ddp, batch)
+        loss.backward()
+        return loss.item()
+
+    ctx = TrainingContext(args=args, config=config, model=[model], ddp_model=[ddp], optimizer=optimizer,
+                          forward_backward=forward_backward)
+    for ext in extensions:
+        ext.setup(ctx)
+
+    start_iter = 0
+    if args.load:
+        start_iter = _load_checkpoint(args.load, rank, model, optimizer, sampler, extensions)
+
+    is_main = rank == 0
+    show_progress = is_main and not args.no_progress
+    losses, step_times, saved_bytes = [], [], []
+    reset_peak_memory(device)
+    bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress,
+                    args.train_iters - start_iter)
+    for iteration in bar:
+        t0 = time.perf_counter()
+        for ext in extensions:
+            ext.on_step_begin(iteration)
+        for group in optimizer.param_groups:
+            group["lr"] = model_lib.lr_at(args, iteration)
+        if hasattr(ddp, "zero_grad_buffer"):
+            ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        step_loss = torch.zeros((), device=device)
+        for micro in range(n_micro):
+            batch = next(sampler).to(device)
+            sync = ddp.no_sync() if micro < n_micro - 1 and hasattr(ddp, "no_sync") else contextlib.nullcontext()
+            with sync, contextlib.ExitStack() as stack:
+                meter = stack.enter_context(SavedTensorMeter(params))
+                for ext in extensions:
+                    stack.enter_context(ext.microbatch_context())
+                loss = _forward_loss(ddp, batch)
+                if micro == 0:
+                    saved_bytes.append(meter.nbytes)
+                (loss / n_micro).backward()
+            step_loss += loss.detach() / n_micro
+        if hasattr(ddp, "finish_grad_sync"):
+            ddp.finish_grad_sync()
+        ok, grad_norm, _ = optimizer.step()
+        if world > 1:
+            torch.distributed.all_reduce(step_loss)
+            step_loss /= world
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss_value = step_loss.item()
+        losses.append(loss_value)
+        step_times.append(dt)
+        for ext in extensions:
+            ext.on_step_end(iteration, loss_value)
+        if show_progress:
+            bar.set_postfix(loss=f"{loss_value:.3f}", step=f"{dt * 1e3:.0f}ms",
+                            tok_s=f"{args.global_batch_size * args.seq_length / dt:,.0f}")
+        if not ok and is_main:
+            print(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            _save_checkpoint(args.save, rank, iteration, model, optimizer, sampler, extensions)
+    if args.save:
+        _save_checkpoint(args.save, rank, args.train_iters, model, optimizer, sampler, extensions)
+
+    summary = _summary(args, device, world, n_micro, losses, step_times, saved_bytes, extensions)
+    if is_main:
+        _print_summary(summary)
+        if args.output_json:
+            Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output_json).write_text(json.dumps(summary, indent=2))
+    return (summary, model) if return_model else summary
+
+
+def _summary(args, device, world, n_micro, losses, step_times, saved_bytes, extensions) -> dict:
+    timed = step_times[1:] or step_times  # the first step pays for warm-up
+    median = statistics.median(timed) if timed else float("nan")
+    ext_reports = {ext.name: ext.report() for ext in extensions}
+    saved = max(saved_bytes) if saved_bytes else 0
+    for report in ext_reports.values():
+        saved = report.get("saved_activation_bytes", saved)
+    return {
+        "device": str(device),
+        "world_size": world,
+        "num_microbatches": n_micro,
+        "iterations": len(losses),
+        "losses": losses,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "step_times_s": step_times,
+        "step_time_s": median,
+        "tokens_per_s": args.global_batch_size * args.seq_length / median if timed else None,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
+        "saved_activation_bytes": saved,
+        "extensions": ext_reports,
+    }
+
+
+def _print_summary(s: dict) -> None:
+    peak_label = "peak allocated (CUDA)" if s["peak_memory_kind"] == "cuda_max_allocated" else "peak RSS"
+    lines = [
+        "",
+        f"trained {s['iterations']} iterations on {s['device']} (data-parallel size {s['world_size']}, "
+        f"{s['num_microbatches']} micro-batch(es) per step)",
+        f"  loss            {s['first_loss']:.4f} -> {s['final_loss']:.4f}" if s["iterations"] else "",
+        f"  step time       {s['step_time_s'] * 1e3:.1f} ms (median)",
+        f"  throughput      {s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "",
+        f"  {peak_label:<15} {format_bytes(s['peak_memory_bytes'])}",
+        f"  held for backward by saved activations (first micro-batch): "
+        f"{format_bytes(s['saved_activation_bytes'])}",
+    ]
+    for name, report in s["extensions"].items():
+        for key, value in report.items():
+            shown = format_bytes(value) if key.endswith("_bytes") and isinstance(value, (int, float)) else value
+            lines.append(f"  {name}.{key}: {shown}")
+    print("\n".join(line for line in lines if line))
+
+
+def _checkpoint_path(directory: str, rank: int) -> Path:
+    return Path(directory) / f"rank{rank:05d}.pt"
+
+
+def _save_checkpoint(directory, rank, iteration, model, optimizer, sampler, extensions) -> None:
+    path = _checkpoint_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "iteration": iteration,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler_rng": sampler.generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "extensions": {ext.name: ext.state_dict() for ext in extensions},
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
+
+
+def _load_checkpoint(directory, rank, model, optimizer, sampler, extensions) -> int:
+    path = _checkpoint_path(directory, rank)
+    if not path.exists():
+        raise SystemExit(f"--load {directory}: no checkpoint {path.name} for rank {rank} there")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    sampler.generator.set_state(state["sampler_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    for ext in extensions:
+        if ext.name in state["extensions"]:
+            ext.load_state_dict(state["extensions"][ext.name])
+    return int(state["iteration"])

@@ -1,0 +1,24 @@
+"""Shared pytest set-up: quiet megatron's fallback notices, keep torch to one thread per xdist worker, and cap
+every test's address space (one Megatron configuration recurses without bound; see megatron_adacc.testing)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+from megatron_adacc.compat import quiet_fallback_warnings  # noqa: E402
+from megatron_adacc.testing import memory_cap  # noqa: E402
+
+quiet_fallback_warnings()
+
+#: Address-space cap per test. Generous for tiny models, small enough to stop a runaway recursion quickly.
+TEST_MEMORY_CAP_GIB = float(os.environ.get("ADACC_TEST_MEMORY_CAP_GIB", "10"))
+
+
+@pytest.fixture(autouse=True)
+def _cap_memory():
+    with memory_cap(TEST_MEMORY_CAP_GIB):
+        yield
