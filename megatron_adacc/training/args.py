@@ -54,6 +54,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, metavar="DIR", help="Resume from the checkpoint in DIR.")
     g.add_argument("--output-json", default=None, metavar="PATH",
                    help="Write the run's summary (losses, step times, memory) as JSON.")
+    g.add_argument("--eval-iters", type=int, default=0, metavar="N",
+                   help="After training, report the validation loss over N held-out batches (dropout off).")
     g.add_argument("--no-progress", action="store_true", help="No progress bar (logs, CI).")
     return parser
 

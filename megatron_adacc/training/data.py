@@ -30,7 +30,7 @@ class Batch:
     position_ids: torch.Tensor  # [b, s]
     attention_mask: torch.Tensor  # [1, 1, s, s] bool, True = masked out (Megatron's convention)
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.position_ids, self.attention_mask)))
 
 

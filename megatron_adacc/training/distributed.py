@@ -21,7 +21,7 @@ def initialize(device: torch.device, seed: int) -> tuple[int, int]:
 
     Works with or without torchrun: a single process becomes rank 0 of a world of 1. Returns (rank, world).
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     if device.type == "cpu":
         from ..compat import cpu

@@ -8,8 +8,10 @@ implements only what it needs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 
 @dataclass

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from . import distributed, model as model_lib
+from . import distributed
+from . import model as model_lib
 from .data import BatchSampler
 from .extension import TrainingContext
 from .features import build_extensions, check_flag_combinations
@@ -74,9 +75,14 @@ def train(args: SimpleNamespace, return_model: bool = False):
     sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank)
     probe_batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=rank)
 
+    probe_batch = []
+
     def forward_backward() -> float:
-        batch = next(probe_batches).to(device)
-        loss = _forward_loss(ddp, batch)
+        # One fixed held-out batch: GACT's sensitivity probe (Algorithm 1) compares gradient evaluations that
+        # must differ only in one compressor's seed, so every call has to replay the same batch.
+        if not probe_batch:
+            probe_batch.append(next(probe_batches).to(device))
+        loss = _forward_loss(ddp, probe_batch[0])
         loss.backward()
         return loss.item()
 
@@ -142,12 +148,30 @@ def train(args: SimpleNamespace, return_model: bool = False):
         _save_checkpoint(args.save, rank, args.train_iters, model, optimizer, sampler, extensions)
 
     summary = _summary(args, device, world, n_micro, losses, step_times, saved_bytes, extensions)
+    if args.eval_iters:
+        summary["valid_loss"] = evaluate(ddp, args, device, rank, world)
     if is_main:
         _print_summary(summary)
         if args.output_json:
             Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.output_json).write_text(json.dumps(summary, indent=2))
     return (summary, model) if return_model else summary
+
+
+@torch.no_grad()
+def evaluate(model, args: SimpleNamespace, device: torch.device, rank: int, world: int) -> float:
+    """Mean loss over ``--eval-iters`` held-out batches with dropout off (the same batches for every run)."""
+    sampler = BatchSampler(args.seq_length, args.micro_batch_size, seed=0, split="valid", rank=rank)
+    model.eval()
+    try:
+        total = torch.zeros((), device=device)
+        for _ in range(args.eval_iters):
+            total += _forward_loss(model, next(sampler).to(device))
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        return (total / (args.eval_iters * world)).item()
+    finally:
+        model.train()
 
 
 def _summary(args, device, world, n_micro, losses, step_times, saved_bytes, extensions) -> dict:
@@ -185,6 +209,7 @@ def _print_summary(s: dict) -> None:
         f"  step time       {s['step_time_s'] * 1e3:.1f} ms (median)",
         f"  throughput      {s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "",
         f"  {peak_label:<15} {format_bytes(s['peak_memory_bytes'])}",
+        f"  validation loss {s['valid_loss']:.4f}" if s.get("valid_loss") is not None else "",
         f"  held for backward by saved activations (first micro-batch): "
         f"{format_bytes(s['saved_activation_bytes'])}",
     ]

@@ -45,7 +45,7 @@ class SavedTensorMeter:
     def reset(self) -> None:
         self._storages.clear()
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
         return self
 
