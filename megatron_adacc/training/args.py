@@ -50,7 +50,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_adacc_args(parser)
     g = parser.add_argument_group("output")
     g.add_argument("--save", default=None, metavar="DIR", help="Write a checkpoint to DIR at the end.")
-    g.add_argument("--save-interval", type=int, default=None, metavar="ITERS")
+    g.add_argument("--save-interval", type=int, default=None, metavar="ITERS",
+                   help="Also write the checkpoint every ITERS iterations.")
     g.add_argument("--load", default=None, metavar="DIR", help="Resume from the checkpoint in DIR.")
     g.add_argument("--output-json", default=None, metavar="PATH",
                    help="Write the run's summary (losses, step times, memory) as JSON.")
