@@ -1,0 +1,404 @@
+"""configure / attach: what the patched ``pretrain_gpt.py`` calls, and the training-loop hooks they need.
+
+The patch calls :func:`configure` once, right after ``parse_and_validate_args``. With every megatron-adacc
+flag at its "off" value it returns ``None`` having imported, installed and changed nothing, so the run is the
+stock one. Otherwise it checks the flag combination and wraps three functions of
+``megatron.training.training`` (each wrapper idempotent, with the original kept as ``__wrapped__``)
+and, for ``--adama``, one of the model builder:
+
+* ``setup_model_and_optimizer``: after Megatron built the model chunks, the optimizer and loaded a checkpoint,
+  :func:`attach` builds the feature extensions exactly as ``adacc train`` does
+  (:func:`megatron_adacc.training.features.build_extensions`: Adacc's policy and runtime, GACT, ResiReduce)
+  and sets them up;
+* ``train_step``: calls the extensions' ``on_step_begin`` / ``on_step_end`` and enters their
+  ``microbatch_context`` around every micro-batch's forward (saved-tensor hooks registered there also govern
+  that micro-batch's backward, because autograd keeps the unpack hook with each saved tensor);
+* ``get_megatron_optimizer`` (only with ``--adama``): builds AdamA instead, before Megatron creates the
+  learning-rate scheduler around the optimizer; with it, ``megatron.training.models.dist_utils._ddp_wrap``
+  returns buffer-less stand-ins for Megatron's DDP (:mod:`megatron_adacc.megatron_lm.adama`).
+
+Wrapping these module globals instead of editing ``training.py`` keeps the upstream patch to one file:
+``training.py`` is the most frequently changed file of Megatron-LM, while ``pretrain`` and ``train`` look
+these names up in their modules at call time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+from megatron_adacc.megatron_lm.features import (
+    ADACC,
+    ADAMA,
+    GACT,
+    RESIREDUCE,
+    Feature,
+    IntegrationError,
+    check_combination,
+    enabled_features,
+    load,
+)
+
+_PATCHED = "__megatron_adacc_patched__"
+TRAINING_MODULE = "megatron.training.training"
+#: Where the model builder wraps chunks in DDP (replaced under ``--adama``).
+DIST_UTILS_MODULE = "megatron.training.models.dist_utils"
+#: The ``training.py`` names we wrap, and for which features.
+HOOKED_FUNCTIONS = ("setup_model_and_optimizer", "train_step", "get_megatron_optimizer")
+
+_SESSION: Session | None = None
+
+
+def current_session() -> Session | None:
+    """The session :func:`configure` created for this process, or None (nothing enabled / not configured)."""
+    return _SESSION
+
+
+# --------------------------------------------------------------------------------------------- policy
+
+
+def _is_policy_preset(value: str) -> bool:
+    from megatron_adacc.arguments import ADACC_POLICY_PRESETS
+
+    return value.replace("_", "-").lower() in ADACC_POLICY_PRESETS
+
+
+def _check_policy_argument(args: Any) -> None:
+    """Fail now, not after model construction, when ``--adacc-policy`` names a file that is not there."""
+    value = args.adacc_policy
+    if _is_policy_preset(value):
+        return
+    if not os.path.isfile(value):
+        raise FileNotFoundError(
+            f"--adacc-policy {value!r} is neither auto, a preset (keep, recompute, quantize-all) nor an "
+            "existing policy file; make one with `adacc solve`, or pass --adacc-policy auto"
+        )
+
+
+# -------------------------------------------------------------------------------------------- session
+
+
+def _unwrap(chunk: Any) -> Any:
+    """DDP / Float16Module / FSDP wrappers all keep the wrapped module as ``.module``."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _loss_of(step_result: Any) -> float:
+    """The reduced ``lm loss`` of a ``train_step`` result; NaN on ranks that have none (pipeline stages)."""
+    losses = step_result[0] if isinstance(step_result, tuple) and step_result else None
+    if not isinstance(losses, dict) or not losses:
+        return math.nan
+    value = losses.get("lm loss", next(iter(losses.values())))
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+class Session:
+    """The enabled features of one run and the extensions they built."""
+
+    def __init__(self, args: Any, features: list[Feature]):
+        self.args = args
+        self.features = features
+        self.extensions: list[Any] = []
+        self.attached = False
+        # (forward_step_func, data_iterator, model) of the running train_step, for the gradient probe.
+        self._step: tuple | None = None
+        self._probe_batch: tuple | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.features]
+
+    def enabled(self, feature: Feature) -> bool:
+        return feature in self.features
+
+    def preflight(self) -> None:
+        """Import the entry points of the enabled features, so a missing one fails before Megatron starts."""
+        if self.enabled(ADACC):
+            _check_policy_argument(self.args)
+            load(ADACC, "megatron_adacc.megatron", "build_extension")
+        if self.enabled(RESIREDUCE):
+            load(RESIREDUCE, "megatron_adacc.comm", "build_extension")
+        if self.enabled(GACT):
+            load(GACT, "megatron_adacc.gact", "build_extension")
+        if self.enabled(ADAMA):
+            load(ADAMA, "megatron_adacc.optim.megatron", "setup_adama")
+            try:
+                load(ADAMA, "megatron_adacc.optim.megatron", "check_supported")(self.args)
+            except IntegrationError:
+                raise
+            except ValueError as exc:  # AdamA's own checks; one error type for every refused command line
+                raise IntegrationError(f"megatron-adacc cannot run this command line:\n  - {exc}") from exc
+
+    # -- after model and optimizer exist
+    def attach(self, model: list, optimizer: Any) -> list[Any]:
+        """Install the Adacc runtime and set up every extension; called once per run."""
+        if self.attached:
+            raise RuntimeError("megatron-adacc is already attached to a model in this process")
+        from megatron_adacc.training.extension import TrainingContext
+
+        model = list(model) if isinstance(model, (list, tuple)) else [model]
+        unwrapped = [_unwrap(chunk) for chunk in model]
+        config = getattr(unwrapped[0], "config", None)
+
+        # One construction path for `adacc train` and Megatron-LM: the same builder, the same nesting order.
+        from megatron_adacc.training.features import build_extensions
+
+        extensions = [e for e in build_extensions(self.args, config) if e is not None]
+        ctx = TrainingContext(args=self.args, config=config, model=unwrapped, ddp_model=model,
+                              optimizer=optimizer, forward_backward=self.probe_forward_backward)
+        for extension in extensions:
+            extension.setup(ctx)
+        self.extensions = extensions
+        self.attached = True
+        _print_rank0(f"megatron-adacc: enabled {', '.join(self.names)}; extensions: "
+                     f"{', '.join(getattr(e, 'name', type(e).__name__) for e in extensions) or 'none'}")
+        return extensions
+
+    # -- GACT's gradient probe
+    def probe_forward_backward(self) -> float:
+        """``TrainingContext.forward_backward`` inside Megatron-LM: one forward and backward of a fixed batch.
+
+        The batch is the first micro-batch drawn from the training iterator at the first probe (so one
+        micro-batch of the stream is used for probing only) and is replayed on every later call, because GACT's
+        sensitivity estimate compares gradient evaluations that may differ only in a compressor's seed. The
+        backward runs under every chunk's ``no_sync()``: gradients stay local, as in ``adacc train``, and no
+        bucket reduction starts. The loss is Megatron-LM's ``loss_func`` result per token.
+        """
+        if self._step is None:
+            raise RuntimeError("the gradient probe can only run inside a training step (from on_step_begin)")
+        forward_step_func, data_iterator, model = self._step
+        if isinstance(data_iterator, list):
+            raise RuntimeError("the gradient probe does not support virtual pipeline stages (a list of iterators)")
+        if self._probe_batch is None:
+            self._probe_batch = (next(data_iterator) if data_iterator is not None else None,)
+        batch = self._probe_batch[0]
+        with contextlib.ExitStack() as stack:
+            for chunk in model:
+                if hasattr(chunk, "no_sync"):
+                    stack.enter_context(chunk.no_sync())
+            output, loss_func = forward_step_func(itertools.repeat(batch) if batch is not None else None,
+                                                  model[0])
+            result = loss_func(output)
+            loss = result[0] / result[1].clamp(min=1) if len(result) == 3 else result[0]  # (sum, tokens, report)
+            loss.backward()
+        return float(loss.detach())
+
+    # -- around every training step
+    def on_step_begin(self, iteration: int) -> None:
+        for extension in self.extensions:
+            extension.on_step_begin(iteration)
+
+    def on_step_end(self, iteration: int, loss: float) -> None:
+        for extension in self.extensions:
+            extension.on_step_end(iteration, loss)
+
+    def microbatch_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for extension in self.extensions:
+            stack.enter_context(extension.microbatch_context())
+        return stack
+
+    def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
+        if not self.extensions:
+            return forward_step_func
+
+        # functools.wraps keeps the signature: Megatron's schedules inspect forward_step_func's parameters.
+        @functools.wraps(forward_step_func)
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            with self.microbatch_context():
+                return forward_step_func(*args, **kwargs)
+
+        return forward_step
+
+    def report(self) -> dict[str, Any]:
+        return {getattr(e, "name", type(e).__name__): e.report() for e in self.extensions}
+
+
+def _print_rank0(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
+
+
+# ------------------------------------------------------------------------------ training.py wrappers
+
+
+def _target(training: ModuleType, name: str) -> Callable:
+    function = getattr(training, name, None)
+    if function is None:
+        version = getattr(importlib.import_module("megatron.core"), "__version__", "unknown") \
+            if training.__name__ == TRAINING_MODULE else "unknown"
+        raise RuntimeError(
+            f"{training.__name__}.{name} does not exist in this Megatron-LM (megatron-core {version}); "
+            "megatron-adacc's Megatron-LM integration supports the commits listed in docs/megatron-lm.md"
+        )
+    return function
+
+
+def _patch_setup_model_and_optimizer(training: ModuleType) -> None:
+    original = _target(training, "setup_model_and_optimizer")
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        session = current_session()
+        if session is not None and not session.attached:
+            model, optimizer = result[0], result[1]
+            session.attach(model, optimizer)
+        return result
+
+    setattr(setup_model_and_optimizer, _PATCHED, True)
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _patch_train_step(training: ModuleType) -> None:
+    original = _target(training, "train_step")
+    if getattr(original, _PATCHED, False):
+        return
+    signature = inspect.signature(original)
+    if "iteration" not in signature.parameters or "forward_step_func" not in signature.parameters:
+        raise RuntimeError(f"{training.__name__}.train_step{signature} has no forward_step_func / iteration "
+                           "parameter; this Megatron-LM is not one megatron-adacc supports")
+
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        session = current_session()
+        if session is None or not session.extensions:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        step = (bound.arguments.get("iteration") or 0) + 1  # Megatron passes the 0-based count of done steps
+        forward_step_func = bound.arguments["forward_step_func"]
+        session._step = (forward_step_func, bound.arguments.get("data_iterator"), bound.arguments.get("model"))
+        try:
+            bound.arguments["forward_step_func"] = session.wrap_forward_step(forward_step_func)
+            session.on_step_begin(step)
+            result = original(*bound.args, **bound.kwargs)
+            session.on_step_end(step, _loss_of(result))
+        finally:
+            session._step = None
+        return result
+
+    setattr(train_step, _PATCHED, True)
+    training.train_step = train_step
+
+
+def _patch_get_megatron_optimizer(training: ModuleType) -> None:
+    original = _target(training, "get_megatron_optimizer")
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
+        session = current_session()
+        if session is None or not session.enabled(ADAMA):
+            return original(config, model_chunks, *args, **kwargs)
+        from megatron_adacc.megatron_lm.adama import build_optimizer
+
+        return build_optimizer(session.args, model_chunks)
+
+    setattr(get_megatron_optimizer, _PATCHED, True)
+    training.get_megatron_optimizer = get_megatron_optimizer
+
+
+def _patch_ddp_wrap(dist_utils: ModuleType) -> None:
+    """Under ``--adama``, the model builder gets :class:`~megatron_adacc.megatron_lm.adama.AdamAChunk`
+    wrappers instead of Megatron's DDP, whose gradient buffer AdamA exists to remove."""
+    original = _target(dist_utils, "_ddp_wrap")
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def _ddp_wrap(model: list, data_parallel_random_init: bool, ddp_config: Any, *args: Any, **kwargs: Any) -> Any:
+        session = current_session()
+        if session is None or not session.enabled(ADAMA):
+            return original(model, data_parallel_random_init, ddp_config, *args, **kwargs)
+        from megatron_adacc.megatron_lm.adama import wrap_model_chunks
+
+        return wrap_model_chunks(model, ddp_config)
+
+    setattr(_ddp_wrap, _PATCHED, True)
+    dist_utils._ddp_wrap = _ddp_wrap
+
+
+def install_training_hooks(training: ModuleType, features: Iterable[Feature],
+                           dist_utils: ModuleType | None = None) -> None:
+    """Wrap the ``training.py`` functions the enabled ``features`` need (idempotent)."""
+    _patch_setup_model_and_optimizer(training)
+    _patch_train_step(training)
+    if ADAMA in list(features):
+        _patch_get_megatron_optimizer(training)
+        _patch_ddp_wrap(dist_utils or importlib.import_module(DIST_UTILS_MODULE))
+
+
+def uninstall_training_hooks(training: ModuleType, dist_utils: ModuleType | None = None) -> None:
+    """Put back the original functions (tests; a second run in the same process)."""
+    targets = [(training, name) for name in HOOKED_FUNCTIONS]
+    if dist_utils is not None:
+        targets.append((dist_utils, "_ddp_wrap"))
+    for module, name in targets:
+        function = getattr(module, name, None)
+        if function is not None and getattr(function, _PATCHED, False):
+            setattr(module, name, function.__wrapped__)
+
+
+# ----------------------------------------------------------------------------------------- public API
+
+
+def configure(args: Any, *, training: ModuleType | None = None,
+              dist_utils: ModuleType | None = None) -> Session | None:
+    """Called by the patched ``pretrain_gpt.py`` right after ``parse_and_validate_args``.
+
+    Returns None, having done nothing at all, when every megatron-adacc flag is off. Otherwise checks the flag
+    combination against the rest of the command line, imports the entry points of the enabled features (so a
+    missing one fails now) and wraps ``training.py``'s functions (see the module docstring). ``training`` is
+    ``megatron.training.training`` and ``dist_utils`` ``megatron.training.models.dist_utils`` unless a test
+    passes stand-ins.
+    """
+    global _SESSION
+    features = enabled_features(args)
+    if not features:
+        _SESSION = None
+        return None
+    check_combination(args, features)
+    session = Session(args, features)
+    session.preflight()
+    install_training_hooks(training or importlib.import_module(TRAINING_MODULE), features, dist_utils)
+    _SESSION = session
+    return session
+
+
+def attach(model: Any, optimizer: Any, args: Any) -> list[Any]:
+    """Set megatron-adacc up on built model chunks and optimizer; returns the active training extensions.
+
+    The patched ``pretrain_gpt.py`` does not call this itself: the ``setup_model_and_optimizer`` wrapper
+    installed by :func:`configure` does, at the one point where Megatron has both. Custom training scripts
+    that build their own model can call it directly (after :func:`configure`, or alone).
+    """
+    global _SESSION
+    session = _SESSION if _SESSION is not None and _SESSION.args is args else None
+    if session is None:
+        features = enabled_features(args)
+        if not features:
+            return []
+        check_combination(args, features)
+        session = Session(args, features)
+        session.preflight()
+        _SESSION = session
+    return session.attach(model, optimizer)
+
+
+def reset() -> None:
+    """Forget the current session (tests)."""
+    global _SESSION
+    _SESSION = None
