@@ -1,0 +1,315 @@
+"""AdamA against Adam with gradient accumulation on a megatron-core GPT, at N = 1, 2, 4, 8 micro-batches.
+
+Methods (both train the same GPT from the same weights on the same batches, Megatron's loop shape):
+
+* ``adam_accumulation``: megatron-core DDP (persistent fp32 gradient buffer) + Megatron's Adam optimizer.
+* ``adama``: ``setup_adama`` (no DDP buffer; gradients folded into m and v during backward and freed).
+
+The model is chosen so gradients are a large share of memory (short sequences, small micro-batches: few
+activations, many parameters). Figures come from three kinds of child processes:
+
+* memory: one process per (method, N) with ``MALLOC_MMAP_THRESHOLD_=65536`` so peak RSS follows live memory
+  (see /work/shared/research/measuring-on-cpu.md); also reports the gradient bytes held, counted exactly
+  (persistent DDP buffer + peak of simultaneously alive ``.grad`` tensors, via weak references);
+* time: one default-allocator process per N that alternates the two methods step by step on identical
+  batches (machine noise hits both alike) and reports median step times;
+* loss curves: the same alternating process over more steps at one N, plotted to
+  ``benchmarks/results/adama.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+from . import harness
+
+METHODS = ("adam_accumulation", "adama")
+
+MODEL_FLAGS = {
+    "full": ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size",
+             "2048", "--seq-length", "64", "--micro-batch-size", "2"],
+    "quick": ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size",
+              "1024", "--seq-length", "32", "--micro-batch-size", "2"],
+}
+COMMON_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0", "--lr", "1e-3",
+                "--min-lr", "1e-3", "--weight-decay", "0.01", "--seed", "1234", "--device", "cpu"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--microbatches", type=int, nargs="+", default=None,
+                        help="Values of N to measure (default 1 2 4 8; quick: 1 4).")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="Timed steps per method and N; the first is warm-up (default 10; quick 8).")
+    parser.add_argument("--curve-steps", type=int, default=None,
+                        help="Steps of the loss-curve run (default 40; quick 20).")
+    parser.add_argument("--curve-microbatches", type=int, default=4, help="N of the loss-curve run.")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="Sequences per micro-batch (default 2: gradients dominate memory; larger values "
+                             "add compute per micro-batch, against which AdamA's folding cost shrinks).")
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def run(args) -> dict:
+    size = "quick" if args.quick else "full"
+    ns = args.microbatches or ([1, 4] if args.quick else [1, 2, 4, 8])
+    steps = args.steps or (8 if args.quick else 10)
+    curve_steps = args.curve_steps or (20 if args.quick else 40)
+    flags = MODEL_FLAGS[size] + COMMON_FLAGS
+    if args.micro_batch_size:
+        flags += ["--micro-batch-size", str(args.micro_batch_size)]
+    # Quick mode measures memory at the largest N only: every child pays megatron's import (seconds).
+    memory_ns = ns[-1:] if args.quick else ns
+    print(f"timing both methods, alternating, at N = {ns}; loss curves over {curve_steps} steps at "
+          f"N={args.curve_microbatches} ...", flush=True)
+    timed = harness.run_method_subprocess(__name__, {
+        "mode": "time", "flags": flags,
+        "runs": [[n, steps] for n in ns] + [[args.curve_microbatches, curve_steps]]})
+    memory = {}
+    for n in memory_ns:
+        for method in METHODS:
+            print(f"N={n}: memory of {method} ...", flush=True)
+            memory[method, n] = harness.run_method_subprocess(
+                __name__, {"mode": "memory", "flags": flags, "n": n, "method": method, "steps": 2},
+                low_fragmentation_malloc=True)
+    methods: dict[str, dict] = {}
+    for i, n in enumerate(ns):
+        for method in METHODS:
+            t = timed["runs"][i][method]
+            entry = {"num_microbatches": n, "step_time_s": t["step_time_s"],
+                     "step_time_min_s": min(t["step_times_s"][1:] or t["step_times_s"]),
+                     "step_times_s": t["step_times_s"],
+                     "tokens_per_s": timed["runs"][i]["tokens_per_step"] / t["step_time_s"],
+                     "final_loss": t["losses"][-1]}
+            mem = memory.get((method, n))
+            if mem is not None:
+                entry.update({
+                    "peak_memory_bytes": mem["peak_memory_bytes"],
+                    "peak_memory_source": "peak RSS of a MALLOC_MMAP_THRESHOLD_=65536 run",
+                    "training_memory_bytes": mem["peak_memory_bytes"] - mem["rss_before_training_bytes"],
+                    "gradient_held_bytes": mem["gradient_held_bytes"],
+                    "param_bytes": mem["param_bytes"],
+                })
+            methods[f"{method}_n{n}"] = entry
+    curve = timed["runs"][-1]
+    curves = {m: curve[m]["losses"] for m in METHODS}
+    for n in ns:
+        harness.print_table({m: methods[f"{m}_n{n}"] for m in METHODS}, baseline="adam_accumulation",
+                            metrics=["step_time_s", "step_time_min_s", "tokens_per_s", "peak_memory_bytes",
+                                     "training_memory_bytes", "gradient_held_bytes", "final_loss"],
+                            title=f"N = {n} micro-batches ({size} model)")
+        print()
+    summary = _summary(methods, ns, memory_ns, curves)
+    for line in summary["lines"]:
+        print(line)
+    config = {"model_flags": flags, "microbatches": ns, "memory_microbatches": memory_ns, "steps": steps,
+              "curve_steps": curve_steps, "curve_microbatches": args.curve_microbatches, "quick": args.quick,
+              "time_runs": "default allocator, methods alternated step by step in one process, median of "
+                           "steps after the first",
+              "memory_runs": "one process per method and N, MALLOC_MMAP_THRESHOLD_=65536"}
+    harness.write_results("adama", config, methods,
+                          extra={"loss_curves": curves, "summary": summary["figures"]}, args=args)
+    _plot(methods, memory_ns, curves, args)
+    return methods
+
+
+def _summary(methods: dict, ns: list[int], memory_ns: list[int], curves: dict) -> dict:
+    figures, lines = {}, ["AdamA vs Adam with gradient accumulation:"]
+    for n in ns:
+        a, b = methods[f"adam_accumulation_n{n}"], methods[f"adama_n{n}"]
+        if n not in memory_ns:
+            change = b["tokens_per_s"] / a["tokens_per_s"] - 1
+            ratio_min = b["step_time_min_s"] / a["step_time_min_s"]
+            figures[f"n{n}"] = {"throughput_change": change, "step_time_ratio_min": ratio_min}
+            lines.append(f"  N={n}: throughput {change:+.1%} (median; best-step time ratio {ratio_min:.3f}); "
+                         "memory not measured in quick mode")
+            continue
+        saved = a["peak_memory_bytes"] - b["peak_memory_bytes"]
+        fig = {
+            "step_time_ratio_min": b["step_time_min_s"] / a["step_time_min_s"],
+            "peak_memory_saving_bytes": saved,
+            "peak_memory_saving_fraction": saved / a["peak_memory_bytes"],
+            "training_memory_saving_fraction": (a["training_memory_bytes"] - b["training_memory_bytes"])
+            / a["training_memory_bytes"],
+            "saving_over_gradient_buffer": saved / b["param_bytes"],
+            "throughput_change": b["tokens_per_s"] / a["tokens_per_s"] - 1,
+        }
+        figures[f"n{n}"] = fig
+        lines.append(
+            f"  N={n}: peak RSS -{_mib(saved)} ({fig['peak_memory_saving_fraction']:.1%}; "
+            f"{fig['saving_over_gradient_buffer']:.2f}x the gradient buffer of {_mib(b['param_bytes'])}), "
+            f"memory above the model-built baseline -{fig['training_memory_saving_fraction']:.1%}, "
+            f"gradient bytes held {_mib(a['gradient_held_bytes'])} -> {_mib(b['gradient_held_bytes'])}, "
+            f"throughput {fig['throughput_change']:+.1%} (median; best-step time ratio "
+            f"{fig['step_time_ratio_min']:.3f})")
+    diffs = [abs(x - y) for x, y in zip(curves["adam_accumulation"], curves["adama"])]
+    figures["loss_curve_max_abs_diff"] = max(diffs)
+    lines.append(f"  loss curves ({len(diffs)} steps): max |difference| {max(diffs):.4f}, final "
+                 f"{curves['adam_accumulation'][-1]:.4f} vs {curves['adama'][-1]:.4f}")
+    return {"figures": figures, "lines": lines}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _plot(methods: dict, ns: list[int], curves: dict, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for m, style in zip(METHODS, ("-", "--")):
+        ax1.plot(range(1, len(curves[m]) + 1), curves[m], style, label=m)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss")
+    ax1.set_title(f"loss, N={args.curve_microbatches} micro-batches, same batches")
+    ax1.legend()
+    width = 0.38
+    for i, m in enumerate(METHODS):
+        ax2.bar([j + (i - 0.5) * width for j in range(len(ns))],
+                [methods[f"{m}_n{n}"]["peak_memory_bytes"] / 2**20 for n in ns], width, label=m)
+    ax2.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
+    ax2.set_ylabel("peak RSS (MiB, low-fragmentation malloc)")
+    ax2.set_title("peak memory")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    path = harness.results_dir(args) / "adama.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------- child
+
+
+class _Trainer:
+    """One method's model and optimizer, stepping exactly like `adacc train`'s loop."""
+
+    def __init__(self, method: str, args, config, n: int) -> None:
+        import torch
+
+        from ..optim.meter import LiveGradientMeter
+        from ..training import distributed
+        from ..training import model as model_lib
+
+        distributed.set_seed(args.seed)
+        self.model = model_lib.build_gpt(args, config)
+        self.n = n
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Registered before AdamA's hooks, so it sees every gradient before it is released.
+        self.meter = LiveGradientMeter(self.model.parameters())
+        if method == "adama":
+            from ..optim.megatron import setup_adama
+
+            chunks, self.optimizer = setup_adama(args, [self.model], config)
+            self.ddp = chunks[0]
+            self.persistent_grad_bytes = 0
+        else:
+            self.ddp = model_lib.wrap_ddp(args, config, self.model)
+            self.optimizer = model_lib.build_optimizer(args, self.ddp)
+            # Megatron-LM's scheduler applies wd_mult (no decay on biases and norms); AdamA's groups do too.
+            for group in self.optimizer.param_groups:
+                group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
+            self.persistent_grad_bytes = sum(buf.grad_data.numel() * buf.grad_data.element_size()
+                                             for buf in self.ddp.buffers)
+        self._torch = torch
+
+    def step(self, batches) -> float:
+        import contextlib
+
+        if hasattr(self.ddp, "zero_grad_buffer"):
+            self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        total = 0.0
+        for i, batch in enumerate(batches):
+            sync = self.ddp.no_sync() if i < self.n - 1 and hasattr(self.ddp, "no_sync") else \
+                contextlib.nullcontext()
+            with sync:
+                per_token = self.ddp(batch.tokens, batch.position_ids, batch.attention_mask,
+                                     labels=batch.labels)
+                loss = per_token.float().mean()
+                (loss / self.n).backward()
+            total += loss.item() / self.n
+        if hasattr(self.ddp, "finish_grad_sync"):
+            self.ddp.finish_grad_sync()
+        ok, _, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (non-finite gradients)")
+        return total
+
+    @property
+    def gradient_held_bytes(self) -> int:
+        return self.persistent_grad_bytes + self.meter.peak_bytes
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _time_run(args, config, n: int, data: list) -> dict:
+    """Both methods from the same weights on the same batches, alternating step by step."""
+    args.global_batch_size = args.micro_batch_size * n
+    trainers = {m: _Trainer(m, args, config, n) for m in METHODS}
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    losses: dict[str, list[float]] = {m: [] for m in METHODS}
+    for i, batches in enumerate(data):
+        # Alternate which method goes first so neither systematically inherits a warm cache.
+        for m in METHODS if i % 2 == 0 else METHODS[::-1]:
+            t0 = time.perf_counter()
+            losses[m].append(trainers[m].step(batches))
+            times[m].append(time.perf_counter() - t0)
+    out = {m: {"step_time_s": statistics.median(times[m][1:] or times[m]), "losses": losses[m],
+               "step_times_s": times[m]} for m in METHODS}
+    out["tokens_per_step"] = n * args.micro_batch_size * args.seq_length
+    return out
+
+
+def _child(payload_path: str) -> None:
+    import torch
+
+    from ..compat import quiet_fallback_warnings
+    from ..training import distributed
+    from ..training import model as model_lib
+    from ..training.args import parse_train_args
+    from ..training.data import BatchSampler
+
+    quiet_fallback_warnings()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    payload = json.load(open(payload_path))
+    args = parse_train_args(payload["flags"])
+    distributed.initialize(torch.device("cpu"), args.seed)
+    config = model_lib.transformer_config(args, torch.device("cpu"))
+
+    def batches_for(n: int, steps: int) -> list:
+        sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed)
+        return [[next(sampler) for _ in range(n)] for _ in range(steps)]
+
+    if payload["mode"] == "memory":
+        n = payload["n"]
+        args.global_batch_size = args.micro_batch_size * n
+        data = batches_for(n, payload["steps"])
+        rss_before = _rss_bytes()
+        trainer = _Trainer(payload["method"], args, config, n)
+        losses = [trainer.step(batches) for batches in data]
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result = {"peak_memory_bytes": peak, "rss_before_training_bytes": rss_before,
+                  "gradient_held_bytes": trainer.gradient_held_bytes, "param_bytes": trainer.param_bytes,
+                  "losses": losses}
+    else:
+        result = {"runs": [_time_run(args, config, n, batches_for(n, steps)) for n, steps in payload["runs"]]}
+    distributed.shutdown()
+    sys.stdout.flush()
+    print()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
