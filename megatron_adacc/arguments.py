@@ -114,7 +114,10 @@ def add_adacc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("adama", "AdamA: Adam accumulation")
     g.add_argument("--adama", action="store_true",
                    help="Fold each micro-batch's gradients into Adam's moments during backward and free them "
-                        "(no persistent gradient buffer).")
+                        "(no persistent gradient buffer). Global --clip-grad cannot apply (the mini-batch gradient "
+                        "never exists); a --clip-grad that only comes from --config is turned off.")
+    g.add_argument("--adama-clip-grad-per-tensor", type=float, default=None, metavar="C",
+                   help="With --adama: clip each parameter's micro-batch gradient to norm C (default: no clipping).")
     return parser
 
 

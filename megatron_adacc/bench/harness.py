@@ -85,7 +85,10 @@ def versions() -> dict:
 
 
 def results_dir(args=None) -> Path:
-    out = Path(getattr(args, "output_dir", None) or RESULTS_DIR)
+    """``benchmarks/results``, or ``benchmarks/results/quick`` for ``--quick`` runs, so that a CI-sized run
+    never overwrites the recorded full results. ``--output-dir`` overrides both."""
+    default = RESULTS_DIR / "quick" if getattr(args, "quick", False) else RESULTS_DIR
+    out = Path(getattr(args, "output_dir", None) or default)
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -68,4 +68,7 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     first, _ = parser.parse_known_args(argv)
     parser.set_defaults(**load_config(first.config, parser))
     args = parser.parse_args(argv)
+    explicit = set(argv if argv is not None else sys.argv[1:])
+    if args.adama and args.clip_grad and "--clip-grad" not in explicit:
+        args.clip_grad = 0.0  # the config's global clipping cannot apply to AdamA; an explicit flag is refused
     return SimpleNamespace(**vars(args))
