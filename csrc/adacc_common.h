@@ -1,0 +1,55 @@
+// Shared definitions of the codec kernels (CPU and CUDA).
+//
+// The numerical conventions are those of megatron_adacc/codecs/reference.py, the pure-torch oracle the
+// tests compare against bit for bit:
+//   * values are read as float32; scales and offsets are float32; no fused multiply-add
+//     (the build passes -ffp-contract=off; CUDA code uses __fmul_rn/__fadd_rn);
+//   * rounding is round-half-to-even, applied after clamping to the code range;
+//   * groups are packed independently, each from a byte boundary; value j of a byte sits in bits
+//     [j*bits, (j+1)*bits); padding bits are zero; a 4-bit code q in [-8, 7] is stored as q + 8;
+//   * scales below kTinyScale are flushed to zero (see codecs/base.py: TINY_SCALE).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ADACC_HD __host__ __device__ __forceinline__
+#else
+#define ADACC_HD inline
+#endif
+
+namespace adacc {
+
+constexpr float kTinyScale = 7.888609052210118e-31f;  // 2**-100, exactly representable
+constexpr float kRoundMagic = 12582912.0f;             // 1.5 * 2**23: (v + M) - M rounds half to even
+
+// MurmurHash3's 32-bit finalizer; uniform24 is the counter-based generator of the stochastic codec
+// (reference.uniform24). A pure function of (seed, index): the random stream does not depend on thread
+// count, block size or device.
+ADACC_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+ADACC_HD uint32_t uniform24(uint64_t seed, uint64_t index) {
+  const uint32_t a = fmix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(seed));
+  const uint32_t b = fmix32(a + (static_cast<uint32_t>(index >> 32) ^ static_cast<uint32_t>(seed >> 32)));
+  return b >> 8;
+}
+
+ADACC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes of one full group of `group` values at `bits` bits (groups start on byte boundaries).
+ADACC_HD int64_t group_bytes(int64_t group, int bits) { return ceil_div(group * bits, 8); }
+
+// Bytes of n values packed in groups (the last group may be short).
+ADACC_HD int64_t packed_bytes(int64_t n, int64_t group, int bits) {
+  if (n == 0) return 0;
+  return (n / group) * group_bytes(group, bits) + ceil_div((n % group) * bits, 8);
+}
+
+}  // namespace adacc

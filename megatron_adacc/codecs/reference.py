@@ -1,0 +1,301 @@
+"""Pure-torch oracle of every compiled kernel in ``megatron_adacc._C``.
+
+Each function here has exactly the signature and the output layout of its compiled twin, and performs the
+same float32 operations in the same order, so the tests compare the two bit for bit. It also serves as the
+implementation when the extension is not built (``backend() == "reference"``); it is correct there, only
+slower and more memory hungry.
+
+Shared conventions (also documented in ``csrc/adacc_kernels.h``):
+
+* Values are read as float32; every scale and offset is float32; no fused multiply-add anywhere.
+* Rounding is round-half-to-even (``torch.round``, ``rint`` in C++), applied after clamping to the code
+  range (same result as clamping after rounding, because the bounds are integers).
+* Groups are packed independently and each starts on a byte boundary; inside a byte, value ``j`` of the
+  byte occupies bits ``[j*bits, (j+1)*bits)`` (little-endian). Padding bits are zero.
+* A 4-bit code ``q`` in ``[-8, 7]`` is stored biased, as the nibble ``q + 8``.
+* Every ``*_compress`` also returns ``bad``: an int32 tensor of one element, non-zero when the input held
+  NaN or Inf (the compiled kernels find this inside their min/max pass).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import TINY_SCALE
+
+_M32 = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------------------------- packing
+def pack_groups(q: torch.Tensor, n: int, group: int, bits: int) -> torch.Tensor:
+    """Pack codes ``q`` (``[ngroups, group]``, values < 2**bits, rows padded past ``n``) into bytes."""
+    per_byte = 8 // bits
+    ngroups = q.shape[0]
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=q.device)
+    gp = -(-group // per_byte) * per_byte
+    valid = torch.arange(ngroups * group, device=q.device).view(ngroups, group) < n
+    q = torch.where(valid, q.to(torch.int32), 0)
+    q = torch.nn.functional.pad(q, (0, gp - group)).view(ngroups, gp // per_byte, per_byte)
+    shifts = torch.arange(per_byte, device=q.device, dtype=torch.int32) * bits
+    packed = (q << shifts).sum(-1).to(torch.uint8)  # [ngroups, bytes per full group]
+    tail = n - (ngroups - 1) * group
+    last = packed[-1, : -(-tail * bits // 8)]
+    return torch.cat([packed[:-1].reshape(-1), last]).contiguous()
+
+
+def unpack_groups(payload: torch.Tensor, n: int, group: int, bits: int) -> torch.Tensor:
+    """Inverse of `pack_groups`: ``[ngroups, group]`` int32 codes (positions past ``n`` are zero)."""
+    per_byte = 8 // bits
+    ngroups = -(-n // group)
+    full_bytes = -(-group * bits // 8)
+    padded = torch.zeros(ngroups * full_bytes, dtype=torch.uint8, device=payload.device)
+    padded[: payload.numel()] = payload
+    b = padded.view(ngroups, full_bytes, 1).to(torch.int32)
+    shifts = torch.arange(per_byte, device=payload.device, dtype=torch.int32) * bits
+    q = (b >> shifts) & ((1 << bits) - 1)
+    return q.reshape(ngroups, full_bytes * per_byte)[:, :group]
+
+
+def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` (1-D) as float32 ``[ngroups, group]``, the last group padded with its own last value so that
+    padding never changes a group's min or max."""
+    n = x.numel()
+    ngroups = -(-n // group)
+    xf = x.reshape(-1).float()
+    pad = ngroups * group - n
+    if pad:
+        xf = torch.cat([xf, xf[-1:].expand(pad)])
+    return xf.view(ngroups, group)
+
+
+def _bad(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.int32, device=x.device)
+    return (~torch.isfinite(x.float())).any().to(torch.int32).reshape(1)
+
+
+def _symmetric_scale(mx: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Scale covering ``[mn, mx]`` with codes ``[-8, 7]``: ``max(max(mx, 0) / 7, -min(mn, 0) / 8)``."""
+    s = torch.maximum(mx.clamp_min(0) / 7, (-mn.clamp_max(0)) / 8)
+    return torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
+
+
+def _inverse(s: torch.Tensor) -> torch.Tensor:
+    return torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+
+
+def _codes4(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` → biased nibbles ``round(clamp(v, -8, 7)) + 8``."""
+    return (torch.round(v.clamp(-8, 7)) + 8).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------- symmetric groups
+def sym_int4_compress(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    if n == 0:
+        e = torch.empty(0, device=x.device)
+        return e.to(torch.uint8), e.float(), _bad(x)
+    g = _groups(x, group)
+    s = _symmetric_scale(g.amax(1), g.amin(1))
+    q = _codes4(g * _inverse(s)[:, None])
+    return pack_groups(q, n, group, 4), s.contiguous(), _bad(x)
+
+
+def sym_int4_decompress(payload: torch.Tensor, scales: torch.Tensor, group: int, out: torch.Tensor) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    q = unpack_groups(payload, n, group, 4)
+    v = (q.float() - 8) * scales[:, None]
+    out.copy_(v.reshape(-1)[:n].to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------- asymmetric groups
+def asym_int4_compress(
+    x: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    if n == 0:
+        e = torch.empty(0, device=x.device)
+        return e.to(torch.uint8), e.float(), e.float(), _bad(x)
+    g = _groups(x, group)
+    mx, mn = g.amax(1), g.amin(1)
+    s = (mx - mn) / 15
+    s = torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
+    o = mn + 8 * s
+    q = _codes4((g - o[:, None]) * _inverse(s)[:, None])
+    return pack_groups(q, n, group, 4), s.contiguous(), o.contiguous(), _bad(x)
+
+
+def asym_int4_decompress(
+    payload: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, out: torch.Tensor
+) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    q = unpack_groups(payload, n, group, 4)
+    v = (q.float() - 8) * scales[:, None] + offsets[:, None]
+    out.copy_(v.reshape(-1)[:n].to(out.dtype))
+
+
+# ------------------------------------------------------------------------------------- channel-wise
+def chan_int4_compress(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    if x.numel() == 0:
+        e = torch.empty(0, device=x.device)
+        return e.to(torch.uint8), torch.zeros(cols, device=x.device), _bad(x)
+    xf = x.float()
+    s = _symmetric_scale(xf.amax(0), xf.amin(0))
+    q = _codes4(xf * _inverse(s)[None, :])
+    return pack_groups(q, rows * cols, cols, 4), s.contiguous(), _bad(x)
+
+
+def chan_int4_decompress(payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    rows, cols = out.shape
+    if out.numel() == 0:
+        return
+    q = unpack_groups(payload, rows * cols, cols, 4)
+    out.copy_(((q.float() - 8) * scales[None, :]).to(out.dtype))
+
+
+# ---------------------------------------------------------------------------------- outlier-separated
+def channel_abs_sum(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel sum of absolute values in float64 (``S_h`` of Adacc eq. 1); NaN/Inf propagate."""
+    return x.double().abs().sum(0)
+
+
+def select_outlier_channels(abs_sums: torch.Tensor, z_threshold: float) -> torch.Tensor:
+    """Adacc eq. 1: channels whose Z-score ``(S_h - mu) / sigma`` exceeds the threshold, as sorted int32.
+
+    ``sigma`` is the population standard deviation. When all sums agree to nine significant digits
+    (``sigma <= 1e-9 * |mu|``, which includes ``sigma == 0``) no channel is an outlier: the Z-scores would
+    then only measure rounding noise. Both the compiled path and the reference call this one function, so
+    they select the same channels whenever their float64 sums agree.
+    """
+    c = abs_sums.numel()
+    if c < 2:
+        return torch.empty(0, dtype=torch.int32, device=abs_sums.device)
+    mu = abs_sums.mean()
+    sigma = (abs_sums - mu).square().mean().sqrt()
+    if not bool(sigma > 1e-9 * mu.abs()):
+        return torch.empty(0, dtype=torch.int32, device=abs_sums.device)
+    z = (abs_sums - mu) / sigma
+    return torch.nonzero(z > z_threshold).reshape(-1).to(torch.int32)
+
+
+def outlier_int4_compress(
+    x: torch.Tensor, idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Outlier channels ``idx`` kept exactly (``[rows, k]`` in x's dtype); the rest, with those channels
+    zeroed, quantized per row (token) in place, with no transpose (Adacc Fig. 3(b)(iii))."""
+    rows, cols = x.shape
+    idx_l = idx.long()
+    outliers = x[:, idx_l].contiguous()
+    dense = x.float().clone()
+    dense[:, idx_l] = 0
+    if x.numel() == 0:
+        e = torch.empty(0, device=x.device)
+        return e.to(torch.uint8), torch.zeros(rows, device=x.device), outliers, _bad(x)
+    s = _symmetric_scale(dense.amax(1), dense.amin(1))
+    q = _codes4(dense * _inverse(s)[:, None])
+    return pack_groups(q, rows * cols, cols, 4), s.contiguous(), outliers, _bad(x)
+
+
+def outlier_int4_decompress(
+    payload: torch.Tensor, scales: torch.Tensor, outliers: torch.Tensor, idx: torch.Tensor, out: torch.Tensor
+) -> None:
+    rows, cols = out.shape
+    if out.numel() == 0:
+        return
+    q = unpack_groups(payload, rows * cols, cols, 4)
+    out.copy_(((q.float() - 8) * scales[:, None]).to(out.dtype))
+    out[:, idx.long()] = outliers
+
+
+# ---------------------------------------------------------------------------------------- bit masks
+def bitmask_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool/uint8 0-1 mask → 1 bit per value, little-endian in each byte; ``bad`` if a value exceeds 1."""
+    n = x.numel()
+    v = x.reshape(-1).to(torch.uint8)
+    bad = (v > 1).any().to(torch.int32).reshape(1) if n else torch.zeros(1, dtype=torch.int32, device=x.device)
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device), bad
+    return pack_groups(v.view(1, n), n, n, 1), bad
+
+
+def bitmask_unpack(payload: torch.Tensor, out: torch.Tensor) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    out.copy_(unpack_groups(payload, n, n, 1).reshape(-1).to(out.dtype))
+
+
+# ------------------------------------------------------------------------------- stochastic rounding
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """``a * c mod 2**32`` for ``a`` in ``[0, 2**32)`` without int64 overflow (16-bit halves of c)."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def uniform24(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Counter-based random integers in ``[0, 2**24)`` for int64 element indices: two MurmurHash3
+    finalizer rounds keyed by the 64-bit seed. Being a pure function of (seed, index), the stream does
+    not depend on thread count or device, which is what makes CPU, CUDA and this reference agree."""
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    a = _fmix32((index & _M32) ^ k0)
+    b = _fmix32((a + ((index >> 32) ^ k1)) & _M32)
+    return b >> 8
+
+
+def stochastic_compress(
+    x: torch.Tensor, group: int, bits: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GACT/ActNN per-group quantizer: ``T = (x - min) / S`` with ``S = (max - min) / (2**bits - 1)``,
+    rounded up with probability ``frac(T)`` (so ``E[q] = T``: unbiased)."""
+    n = x.numel()
+    if n == 0:
+        e = torch.empty(0, device=x.device)
+        return e.to(torch.uint8), e.float(), e.float(), _bad(x)
+    g = _groups(x, group)
+    mx, mn = g.amax(1), g.amin(1) + 0.0  # + 0.0: -0.0 -> +0.0 (min's signed zero depends on order)
+    s = (mx - mn) / float((1 << bits) - 1)
+    s = torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
+    t = (g - mn[:, None]) * _inverse(s)[:, None]
+    base = t.trunc()
+    frac = t - base
+    index = torch.arange(g.numel(), device=x.device, dtype=torch.int64).view_as(g)
+    u = uniform24(seed, index).float() * 2.0**-24
+    q = (base + (u < frac).float()).clamp_max((1 << bits) - 1).to(torch.int32)
+    return pack_groups(q, n, group, bits), mn.contiguous(), s.contiguous(), _bad(x)
+
+
+def stochastic_decompress(
+    payload: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    bits: int,
+    out: torch.Tensor,
+) -> None:
+    n = out.numel()
+    if n == 0:
+        return
+    q = unpack_groups(payload, n, group, bits)
+    v = q.float() * scales[:, None] + mins[:, None]
+    out.copy_(v.reshape(-1)[:n].to(out.dtype))
+
+
+def get_codec(name: str, **params):  # noqa: ANN201 - returns a Codec
+    """The codec ``name`` running on these pure-torch functions (the oracle the tests compare against)."""
+    from . import registry
+
+    return registry.build(name, kernels="reference", **params)

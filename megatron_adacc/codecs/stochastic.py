@@ -1,0 +1,67 @@
+"""GACT's per-group min/max quantizer with stochastic rounding (seed 003, section 4 and appendix A.4)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .base import Codec, Packed, check_float_input, packed_group_bytes
+from .int4 import raise_if_bad
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+
+
+class StochasticCodec(Codec):
+    """Per-group quantizer of ActNN/GACT: ``T = (2**b - 1) (x - min) / (max - min)``, rounded up with
+    probability ``T - floor(T)``, so ``E[x_hat] = x`` (unbiased) and ``Var[x_hat] <= S**2 / 4`` with
+    ``S = (max - min) / (2**b - 1)`` (GACT's ``R(h) S(b)`` bound).
+
+    Groups are ``group_size`` consecutive values of the flattened tensor. Kept per group: float32 min and
+    scale; codes are ``bits`` wide, packed per group from a byte boundary. Size:
+    ``sum over groups of ceil(len * bits / 8) + 8 * ceil(n / group_size)``.
+
+    Randomness: one 64-bit seed per call, drawn from ``generator`` (or torch's default CPU generator, so
+    ``torch.manual_seed`` makes it reproducible), feeds a counter-based hash of each element's index; the
+    random stream is therefore identical on CPU, CUDA and in the reference, whatever the thread count.
+    Uniforms have 24 bits, so the rounding probability is within ``2**-24`` of ``frac(T)``.
+    """
+
+    name = "stochastic"
+
+    def __init__(self, bits: int = 4, group_size: int = 256, *, kernels: Any) -> None:
+        if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+            raise ValueError(f"stochastic codec: bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"stochastic codec: group_size must be a positive int, got {group_size!r}")
+        self.bits = bits
+        self.group_size = group_size
+        self._k = kernels
+
+    def params(self) -> dict[str, Any]:
+        return {"bits": self.bits, "group_size": self.group_size}
+
+    def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Packed:
+        check_float_input(self.name, x)
+        x = x.detach()
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device).item())
+        payload, mins, scales, bad = self._k.stochastic_compress(
+            x.contiguous().view(-1), self.group_size, self.bits, seed
+        )
+        raise_if_bad(self.name, bad)
+        tensors = {"payload": payload, "mins": mins, "scales": scales}
+        meta = {"group": self.group_size, "bits": self.bits, "seed": seed}
+        return Packed(self.name, x.shape, x.dtype, x.device, tensors, meta)
+
+    def decompress(self, p: Packed) -> torch.Tensor:
+        self._check_packed(p)
+        out = torch.empty(p.numel, dtype=p.dtype, device=p.device)
+        t = p.tensors
+        self._k.stochastic_decompress(t["payload"], t["mins"], t["scales"], p.meta["group"], p.meta["bits"], out)
+        return out.view(p.shape)
+
+    def compressed_nbytes(self, shape, dtype, **data_dependent: Any) -> int:  # noqa: ANN001
+        n = math.prod(shape)
+        return packed_group_bytes(n, self.group_size, self.bits) + 8 * -(-n // self.group_size)
