@@ -1,0 +1,223 @@
+"""Adacc under memory budgets: from the no-recompute peak down to the full-recompute peak.
+
+For each budget: ``adacc_auto`` (profile, solve the MILP for the budget, train with the policy) against
+``megatron_best`` (the fastest Megatron recompute configuration whose measured peak fits: none, selective,
+full uniform / block with every ``--recompute-num-layers``), ``megatron_full`` and ``adacc_quantize_all``
+(every activation INT4), plus the MILP's solve times for the paper's and the improved formulations.
+
+Budgets are peak-memory figures of the same kind the runs measure (peak RSS on CPU, max allocated on CUDA).
+The MILP works with its own memory model (static + workspace + activations); the constant difference
+between a measured peak and the model, taken from the no-recompute run (the process's own footprint: Python,
+libraries, allocator), is subtracted from each budget before solving. Time comes from default-allocator
+runs, peak memory from low-fragmentation runs (see bench/common.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from . import harness
+from .common import train_method
+
+METRICS = ["step_time_s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default=None, help="Model config (default: cpu-large; tiny with --quick).")
+    parser.add_argument("--train-iters", type=int, default=None, help="Steps per run (default 6; 4 quick).")
+    parser.add_argument("--budgets", type=int, default=5, help="Number of budgets (>= 5 unless --quick).")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="Override the config's micro-batch (and global batch) size.")
+
+
+def megatron_configs(num_layers: int, quick: bool) -> dict[str, list[str]]:
+    """Every Megatron recompute configuration worth trying for ``num_layers`` layers."""
+    full = ["--recompute-granularity", "full"]
+    configs = {"megatron_none": [], "megatron_selective": ["--recompute-granularity", "selective"]}
+    # uniform with every layer in one chunk holds all layers' activations while it recomputes them: never
+    # better than block or smaller chunks, so only chunks of 1 and 2 layers are tried
+    for n in sorted({1, 2} if not quick else {1}):
+        if n <= num_layers:
+            configs[f"megatron_full_uniform_{n}"] = full + ["--recompute-method", "uniform",
+                                                            "--recompute-num-layers", str(n)]
+    for n in (range(1, num_layers) if not quick else []):
+        configs[f"megatron_full_block_{n}"] = full + ["--recompute-method", "block", "--recompute-num-layers", str(n)]
+    return configs
+
+
+def _profile(flags: list[str]):
+    """Profile (or reuse) this config's layer in a child process, as --adacc-policy auto would; the parent
+    stays free of torch.distributed so that every training child can start its own."""
+    from ..policy.profile_db import ProfileDB
+    from ..training import model as model_lib
+    from ..training.args import parse_train_args
+    from ..training.distributed import resolve_device
+
+    out = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=3600)
+    ref = out["ref"]
+    profile = ProfileDB(ref["db"]).get_by_id(int(ref["id"]))
+    args = parse_train_args(flags)
+    config = model_lib.transformer_config(args, resolve_device(args.device))
+    return args, config, profile, ref
+
+
+def _child(payload_path: str) -> None:
+    import json
+    import sys
+
+    from ..compat import quiet_fallback_warnings
+    from ..policy.auto import get_or_make_profile
+    from ..training import distributed
+    from ..training import model as model_lib
+    from ..training.args import parse_train_args
+
+    quiet_fallback_warnings()
+    args = parse_train_args(json.load(open(payload_path))["flags"])
+    device = distributed.resolve_device(args.device)
+    distributed.initialize(device, args.seed)
+    config = model_lib.transformer_config(args, device)
+    _, ref = get_or_make_profile(args, config)
+    sys.stdout.flush()
+    print()
+    print(json.dumps({"ref": ref}))
+
+
+def run(args) -> dict:
+    from ..policy.io import save_policy
+    from ..policy.policy import Policy
+    from ..policy.signature import model_signature
+    from ..policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
+    from ..policy.strategies import InfeasibleBudgetError, solve
+
+    quick = args.quick
+    config_name = args.config or ("tiny" if quick else "cpu-large")
+    iters = args.train_iters or (4 if quick else 6)
+    n_budgets = max(args.budgets, 2 if quick else 5)
+    base = ["--config", config_name, "--train-iters", str(iters)]
+    if quick:
+        base += ["--global-batch-size", "8", "--micro-batch-size", "8"]
+    if args.micro_batch_size:
+        base += ["--global-batch-size", str(args.micro_batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    workdir = Path(tempfile.mkdtemp(prefix="adacc-budget-"))
+
+    # 1. every fixed configuration once (their measurements do not depend on the budget)
+    targs, tconfig, profile, ref = _profile(base)
+    L = targs.num_layers
+    measured: dict[str, dict] = {}
+    for name, flags in megatron_configs(L, quick).items():
+        print(f"running {name} ...", flush=True)
+        measured[name] = _clean(train_method(base + flags))
+    qpath = save_policy(Policy.quantize_all(L), workdir / "quantize_all.json")
+    print("running adacc_quantize_all ...", flush=True)
+    measured["adacc_quantize_all"] = _clean(train_method(base + ["--adacc-policy", str(qpath)]))
+
+    # 2. budgets between the two measured extremes, and the model-to-measurement offset
+    full_name = "megatron_full_uniform_1"
+    p_none, p_full = measured["megatron_none"]["peak_memory_bytes"], measured[full_name]["peak_memory_bytes"]
+    keep_model = evaluate_policy(profile, Policy.all_keep(L))["memory_bytes"]
+    offset = p_none - keep_model
+    budgets = [int(p_none - i * (p_none - p_full) / (n_budgets - 1)) for i in range(n_budgets)]
+    sig = model_signature(tconfig, targs)
+    options = SolveOptions()
+
+    entries = []
+    for i, budget in enumerate(budgets):
+        model_budget = budget - offset
+        entry: dict = {"budget_bytes": budget, "model_budget_bytes": int(model_budget), "methods": {}, "milp": {}}
+        # MILP solve times of each formulation at this budget
+        problem = make_problem(profile, model_budget, options)
+        for label, kw in (("paper", dict(chain_aware=False, heterogeneous=False)),
+                          ("chain_aware", dict(chain_aware=True, heterogeneous=False)),
+                          ("heterogeneous+chain_aware", dict(chain_aware=True, heterogeneous=True))):
+            try:
+                res = solve(problem, **kw)
+                entry["milp"][label] = {"solve_time_s": res.solve_time_s, "predicted_time_s": res.predicted_time_s,
+                                        "predicted_time_chain_s": problem.total_time(res.layer_picks, chain_aware=True),
+                                        "predicted_memory_bytes": res.predicted_memory_bytes}
+            except InfeasibleBudgetError as e:
+                entry["milp"][label] = {"infeasible": True, "min_feasible_model_bytes": e.min_feasible_bytes}
+        # adacc_auto: solve and train with the policy
+        try:
+            policy, res = solve_policy(profile, model_budget, options, profile_ref=ref, signature=sig)
+            path = save_policy(policy, workdir / f"adacc_{i}.json")
+            print(f"running adacc_auto at budget {budget / 2**20:.0f} MiB ...", flush=True)
+            auto = _clean(train_method(base + ["--adacc-policy", str(path)]))
+            auto.update(predicted_memory_bytes=int(res.predicted_memory_bytes + offset), solve_time_s=res.solve_time_s,
+                        policy=[d.label for d in policy.layers[-1]])
+        except InfeasibleBudgetError as e:
+            auto = {"infeasible": True, "min_feasible_bytes": int(e.min_feasible_bytes + offset)}
+        entry["methods"]["adacc_auto"] = _fits(auto, budget)
+        fitting = {n: m for n, m in measured.items() if n.startswith("megatron_") and m["peak_memory_bytes"] <= budget}
+        if fitting:
+            best = min(fitting, key=lambda n: fitting[n]["step_time_s"])
+            entry["methods"]["megatron_best"] = _fits(dict(fitting[best], config=best), budget)
+        else:
+            entry["methods"]["megatron_best"] = {"infeasible": True}
+        entry["methods"]["megatron_full"] = _fits(dict(measured[full_name]), budget)
+        entry["methods"]["adacc_quantize_all"] = _fits(dict(measured["adacc_quantize_all"]), budget)
+        entries.append(entry)
+        harness.print_table({k: v for k, v in entry["methods"].items() if "step_time_s" in v},
+                            baseline="megatron_full", metrics=METRICS,
+                            title=f"budget {budget / 2**20:.1f} MiB (model budget {model_budget / 2**20:.1f} MiB)")
+
+    config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base,
+              "model_offset_bytes": int(offset), "profile": ref}
+    harness.write_results("budget", config, measured, extra={"budgets": entries}, args=args)
+    _plot(entries, harness.results_dir(args) / "budget.png", config_name)
+    return {"budgets": entries, "methods": measured}
+
+
+def _clean(result: dict) -> dict:
+    result = dict(result)
+    result.pop("losses", None)
+    return result
+
+
+def _fits(result: dict, budget: int) -> dict:
+    if "peak_memory_bytes" in result:
+        result["fits_budget"] = result["peak_memory_bytes"] <= budget
+    return result
+
+
+def _plot(entries: list[dict], path: Path, config_name: str) -> None:
+    """Step time (filled: fits the budget, hollow: over it) and measured peak against each budget."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs_all = [e["budget_bytes"] / 2**20 for e in entries]
+    for (name, marker), color in zip((("adacc_auto", "o"), ("megatron_best", "s"), ("megatron_full", "^"),
+                                      ("adacc_quantize_all", "x")), ("C0", "C1", "C2", "C3")):
+        pts = [(e["budget_bytes"] / 2**20, e["methods"].get(name, {})) for e in entries]
+        pts = [(x, m) for x, m in pts if "step_time_s" in m]
+        if not pts:
+            continue
+        ax_t.plot([x for x, _ in pts], [m["step_time_s"] * 1e3 for _, m in pts], color=color, alpha=0.4)
+        for x, m in pts:
+            ax_t.scatter([x], [m["step_time_s"] * 1e3], marker=marker, color=color,
+                         facecolors=color if m.get("fits_budget") else "none")
+        ax_m.plot([x for x, _ in pts], [m["peak_memory_bytes"] / 2**20 for _, m in pts], marker=marker,
+                  color=color, label=name)
+    ax_m.plot(xs_all, xs_all, "k--", label="budget")
+    ax_t.set(xlabel="memory budget (MiB, peak)", ylabel="step time (ms); hollow = over budget",
+             title=f"Step time under a memory budget ({config_name})")
+    ax_m.set(xlabel="memory budget (MiB, peak)", ylabel="measured peak (MiB)", title="Measured peak vs budget")
+    for ax in (ax_t, ax_m):
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    ax_m.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(sys.argv[1])

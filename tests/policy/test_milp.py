@@ -1,0 +1,173 @@
+"""The MILP strategies against exhaustive search, and the improvements against the paper's formulation."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from megatron_adacc.policy.cost_model import Choice, Problem, build_problem
+from megatron_adacc.policy.pareto import pareto_front
+from megatron_adacc.policy.policy import Decision
+from megatron_adacc.policy.profile import analytic_profile
+from megatron_adacc.policy.strategies import InfeasibleBudgetError, brute_force, chain_aware, heterogeneous, paper
+
+SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=128, micro_batch_size=2,
+           dtype="float32", num_layers=12, megatron_core_version="0.16.1")
+
+
+def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False
+                   ) -> Problem:
+    """Up to 3 choices per op: keep, compress (maybe), recompute (not for op 0)."""
+    choices = []
+    fwd = [rng.uniform(0.1, 5.0) for _ in range(n_ops)]
+    for i in range(n_ops):
+        m = float(rng.randint(1, 100))
+        # some outputs are not saved for backward, so holding them for a recompute segment costs extra
+        stash = float(rng.randint(1, 50)) if rng.random() < 0.3 else 0.0
+        cs = [Choice(Decision.keep(), m, 0.0, 0.0, stash)]
+        if i == 0 or rng.random() < 0.8:
+            dc = rng.uniform(0.05, 2.0)
+            cs.append(Choice(Decision.compress("int4_symmetric"), m * rng.uniform(0.1, 0.5),
+                             dc + rng.uniform(0.05, 2.0), dc, stash * 0.25))
+        if i > 0:
+            cs.append(Choice(Decision.recompute(), 0.0, fwd[i]))
+        choices.append(cs)
+    overhead = rng.uniform(0.0, 1.0)
+    # a measured segment time that is neither additive nor monotone in the simple way
+    seg = {(a, b): sum(fwd[a:b + 1]) * rng.uniform(0.7, 1.3) + overhead
+           for a in range(n_ops) for b in range(a, n_ops)}
+    # some ops draw random numbers: a segment containing one holds a copy of the RNG states
+    problem = Problem(choices=choices, num_layers=n_layers, static_bytes=10.0, budget_bytes=None,
+                      segment_time=lambda a, b: seg[(a, b)], per_tensor=per_tensor,
+                      rng_bytes=float(rng.randint(0, 20)),
+                      rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3))
+    lo = problem.min_feasible_budget(stash=True)
+    hi = problem.fixed_bytes + n_layers * sum(cs[0].memory_bytes for cs in choices)
+    problem.budget_bytes = lo + frac * max(hi - lo, 0.0)
+    return problem
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_paper_and_chain_aware_equal_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    problem = random_problem(rng, n_ops=rng.randint(3, 8), n_layers=rng.randint(1, 6), frac=rng.random(),
+                             per_tensor=seed % 2 == 1)
+    for strategy, chain in ((paper, False), (chain_aware, True)):
+        got = strategy.solve(problem)
+        want = brute_force.solve(problem, chain_aware=chain)
+        assert got.predicted_time_s == pytest.approx(want.predicted_time_s, rel=1e-6, abs=1e-9)
+        assert problem.total_memory(got.layer_picks, stash=chain) <= problem.budget_bytes + 1e-6
+        # the reported time is the cost model's own evaluation of the decisions
+        assert got.predicted_time_s == pytest.approx(problem.total_time(got.layer_picks, chain_aware=chain))
+
+
+def brute_force_heterogeneous(problem: Problem, chain_aware: bool) -> float:
+    """Best total time over every multiset of per-layer policies (layers are interchangeable)."""
+    layer_policies = [(problem.layer_memory(p, stash=chain_aware), problem.layer_time(p, chain_aware=chain_aware))
+                      for p in itertools.product(*(range(len(cs)) for cs in problem.choices))]
+    best = float("inf")
+    for combo in itertools.combinations_with_replacement(range(len(layer_policies)), problem.num_layers):
+        mem = problem.fixed_bytes + sum(layer_policies[i][0] for i in combo)
+        if mem <= problem.budget_bytes:
+            best = min(best, sum(layer_policies[i][1] for i in combo))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_heterogeneous_equals_brute_force(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    problem = random_problem(rng, n_ops=rng.randint(2, 4), n_layers=rng.randint(2, 3), frac=rng.random())
+    for chain in (False, True):
+        got = heterogeneous.solve(problem, chain_aware=chain, time_limit_s=None)
+        assert got.predicted_time_s == pytest.approx(brute_force_heterogeneous(problem, chain), rel=1e-6, abs=1e-9)
+        assert got.predicted_memory_bytes <= problem.budget_bytes
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_improvements_never_worse_than_paper(seed: int) -> None:
+    """Under the chain-aware cost model, every improved formulation beats or ties the paper's policy."""
+    rng = random.Random(200 + seed)
+    problem = random_problem(rng, n_ops=8, n_layers=rng.randint(2, 12), frac=rng.random())
+    paper_res = paper.solve(problem)
+    paper_true = problem.total_time(paper_res.layer_picks, chain_aware=True)
+    ca = chain_aware.solve(problem)
+    het = heterogeneous.solve(problem, chain_aware=False)
+    het_ca = heterogeneous.solve(problem, chain_aware=True)
+    eps = 1e-9 * max(1.0, paper_true)
+    # when the paper's policy really fits (eq. 8 ignores segment-input stashes), it is in the chain-aware
+    # feasible set, so the chain-aware optimum cannot be slower
+    if problem.total_memory(paper_res.layer_picks, stash=True) <= problem.budget_bytes:
+        assert ca.predicted_time_s <= paper_true + eps
+    assert het_ca.predicted_time_s <= ca.predicted_time_s + eps
+    # heterogeneous under the paper's own cost model beats the paper's uniform optimum
+    assert het.predicted_time_s <= paper_res.predicted_time_s + 1e-9 * max(1.0, paper_res.predicted_time_s)
+
+
+def test_improvements_never_worse_on_a_gpt_profile_at_many_budgets() -> None:
+    prof = analytic_profile(SIG)
+    prof.segment_overhead_s = 1e-3
+    probe = build_problem(prof, None)
+    lo = probe.min_feasible_budget()
+    hi = probe.fixed_bytes + SIG["num_layers"] * sum(cs[0].memory_bytes for cs in probe.choices)
+    for frac in (0.0, 0.05, 0.2, 0.4, 0.6, 0.8, 1.0):
+        problem = build_problem(prof, lo + frac * (hi - lo), codecs="all")
+        base = problem.total_time(paper.solve(problem).layer_picks, chain_aware=True)
+        best = heterogeneous.solve(problem, chain_aware=True)
+        assert best.predicted_time_s <= base * (1 + 1e-9) + 1e-12
+        assert best.predicted_memory_bytes <= problem.budget_bytes
+
+
+def test_pareto_front_is_nondominated_and_complete() -> None:
+    rng = random.Random(7)
+    problem = random_problem(rng, n_ops=6, n_layers=1, frac=1.0)
+    for chain in (False, True):
+        front = pareto_front(problem, chain_aware=chain)
+        pts = [(problem.layer_memory(p, stash=chain), problem.layer_time(p, chain_aware=chain))
+               for p in itertools.product(*(range(len(cs)) for cs in problem.choices))]
+        for fp in front:
+            # the DP's bookkeeping matches the cost model
+            assert fp.memory_bytes == pytest.approx(problem.layer_memory(fp.picks, stash=chain))
+            assert fp.time_s == pytest.approx(problem.layer_time(fp.picks, chain_aware=chain))
+            assert not any(m <= fp.memory_bytes and t < fp.time_s - 1e-12 and (m, t) != (fp.memory_bytes, fp.time_s)
+                           for m, t in pts if m < fp.memory_bytes or t < fp.time_s - 1e-12)
+        # every policy is dominated by (or equal to) a front point
+        for m, t in pts:
+            assert any(fp.memory_bytes <= m + 1e-9 and fp.time_s <= t + 1e-9 for fp in front)
+
+
+def test_infeasible_budget_names_the_smallest_feasible_budget() -> None:
+    prof = analytic_profile(SIG)
+    need = build_problem(prof, None).min_feasible_budget()
+    for strategy in (paper.solve, chain_aware.solve, heterogeneous.solve):
+        with pytest.raises(InfeasibleBudgetError, match=f"{need:,}") as info:
+            strategy(build_problem(prof, need - 1000))
+        assert info.value.min_feasible_bytes == need
+    # exactly the smallest feasible budget is feasible
+    assert paper.solve(build_problem(prof, need)).predicted_memory_bytes <= need
+
+
+def test_first_op_is_never_recomputed_and_unbounded_budget_keeps_everything() -> None:
+    prof = analytic_profile(SIG)
+    tight = build_problem(prof, build_problem(prof, None).min_feasible_budget())
+    res = heterogeneous.solve(tight)
+    assert all(layer[0].action != "recompute" for layer in res.decisions)
+    free = paper.solve(build_problem(prof, None))
+    assert all(d.action == "keep" for layer in free.decisions for d in layer)
+    assert free.predicted_time_s == 0.0
+
+
+def test_hand_computed_two_op_instance() -> None:
+    # op0: keep 10 B | compress 3 B at 1 s; op1: keep 20 B | recompute at 2 s. Budget 25 B, no static.
+    problem = Problem(
+        choices=[[Choice(Decision.keep(), 10, 0), Choice(Decision.compress("int4_outlier"), 3, 1, 0.5)],
+                 [Choice(Decision.keep(), 20, 0), Choice(Decision.recompute(), 0, 2)]],
+        num_layers=1, static_bytes=0, budget_bytes=25, segment_time=lambda a, b: 2.0,
+        op_names=["input_layernorm", "linear_qkv"])
+    # keep+keep = 30 B (too big); compress+keep = 23 B at 1 s; keep+recompute = 10 B at 2 s
+    res = paper.solve(problem)
+    assert res.layer_picks == [[1, 0]] and res.predicted_time_s == 1.0
+    # chain-aware adds the re-decompression of a compressed segment input: compress+recompute = 1+2+0.5
+    problem.budget_bytes = 12
+    assert chain_aware.solve(problem).predicted_time_s == 2.0  # keep + recompute

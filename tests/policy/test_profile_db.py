@@ -1,0 +1,61 @@
+"""The SQLite profile store and the profile data model."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_adacc.policy.profile import LayerProfile, analytic_profile
+from megatron_adacc.policy.profile_db import ENV_VAR, ProfileDB, default_db_path
+
+SIG = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
+           dtype="float32", num_layers=3, megatron_core_version="0.16.1")
+
+
+def test_round_trip_and_keying(tmp_path) -> None:
+    db = ProfileDB(tmp_path / "p.sqlite")
+    a = analytic_profile(SIG, device="cpu:test")
+    a.segment_times_s = {(1, 3): 0.25}
+    a.ops[2].stash_bytes = {"keep": 7}
+    pid = db.put(a)
+    got = db.get("cpu:test", SIG)
+    assert got is not None and got[0] == pid
+    assert got[1].to_json() == a.to_json()
+    assert got[1].segment_time(1, 3) == 0.25
+    # another device or signature finds nothing
+    assert db.get("cuda:H100", SIG) is None
+    assert db.get("cpu:test", dict(SIG, micro_batch_size=4)) is None
+    # the newest profile wins
+    b = analytic_profile(SIG, device="cpu:test", outlier_fraction=0.5)
+    b.created_at = a.created_at + 10
+    pid_b = db.put(b)
+    assert db.get("cpu:test", SIG)[0] == pid_b
+    assert [r["id"] for r in db.list()] == [pid, pid_b]
+    assert db.get_by_id(pid).to_json() == a.to_json()
+    with pytest.raises(KeyError, match="no profile with id 999"):
+        db.get_by_id(999)
+
+
+def test_default_path_env_and_flag(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env.sqlite"))
+    assert default_db_path() == tmp_path / "env.sqlite"
+    assert default_db_path(tmp_path / "flag.sqlite") == tmp_path / "flag.sqlite"
+    monkeypatch.delenv(ENV_VAR)
+    assert str(default_db_path()).endswith(".cache/megatron-adacc/profile.sqlite")
+
+
+def test_segment_time_falls_back_to_sum_plus_overhead() -> None:
+    p = analytic_profile(SIG)
+    p.segment_overhead_s = 0.5
+    assert p.segment_time(2, 4) == pytest.approx(sum(op.forward_time_s for op in p.ops[2:5]) + 0.5)
+
+
+def test_profile_rejects_wrong_ops_and_versions() -> None:
+    p = analytic_profile(SIG)
+    obj = p.to_json()
+    obj["ops"] = obj["ops"][:-1]
+    with pytest.raises(ValueError, match="do not match the layer's ops"):
+        LayerProfile.from_json(obj)
+    obj = p.to_json()
+    obj["profile_version"] = 0
+    with pytest.raises(ValueError, match="re-run `adacc profile`"):
+        LayerProfile.from_json(obj)

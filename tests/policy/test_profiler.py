@@ -1,0 +1,150 @@
+"""The profiler on a small real megatron-core layer, the stored-profile reuse of ``auto``, and the policy
+commands; the solved policy's predicted bytes are compared with what the runtime measures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_adacc.policy.ops import OP_NAMES
+from megatron_adacc.testing import memory_cap
+
+ARGV = ["--config", "tiny", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "256",
+        "--seq-length", "32", "--micro-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from megatron_adacc.policy.profiler import profile_layer
+    from megatron_adacc.training import distributed
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+
+    torch.set_num_threads(1)
+    with memory_cap(6):
+        args = parse_train_args(ARGV)
+        args.adacc_profile_db = str(tmp_path_factory.mktemp("db") / "p.sqlite")
+        device = torch.device("cpu")
+        distributed.initialize(device, args.seed)
+        config = model_lib.transformer_config(args, device)
+        profile = profile_layer(args, config, device=device, repeats=1)
+    return args, config, profile
+
+
+def test_profile_measures_every_op(env) -> None:
+    _, _, profile = env
+    assert [op.name for op in profile.ops] == list(OP_NAMES)
+    assert profile.source == "measured" and profile.device.startswith("cpu:")
+    assert profile.ops[0].saved_bytes > 0 and profile.ops[3].saved_bytes > 0  # layernorm, softmax outputs
+    assert all(op.forward_time_s > 0 for op in profile.ops)
+    assert len(profile.segment_times_s) == 12 * 13 // 2  # every segment a..b with 1 <= a <= b <= 12
+    assert all(t > 0 for t in profile.segment_times_s.values())
+    outlier = profile.op("input_layernorm").codecs["int4_outlier"]
+    assert 0 < outlier.compressed_bytes < profile.op("input_layernorm").saved_bytes
+    assert outlier.stats["channels"] == 64 and 0 <= outlier.stats["outlier_channels"] < 64
+    # the softmax output [b, heads, s, s] in asymmetric INT4: exactly the codec's own size formula
+    from megatron_adacc.codecs import get_codec
+
+    sm = profile.op("softmax")
+    assert sm.saved_bytes == 2 * 4 * 32 * 32 * 4
+    want = get_codec("int4_asymmetric").compressed_nbytes((2, 4, 32, 32), torch.float32)
+    assert sm.codecs["int4_asymmetric"].compressed_bytes == want
+    assert profile.static_bytes == 16 * profile.meta["total_params"]
+
+
+def test_predicted_layer_bytes_match_the_runtime(env) -> None:
+    """Solve for a budget between the extremes, run the policy through the runtime, compare bytes."""
+    from megatron_adacc.megatron import install, uninstall
+    from megatron_adacc.policy.solver import SolveOptions, make_problem, solve_policy
+    from megatron_adacc.runtime import accounting
+    from megatron_adacc.testing import build_tiny_gpt, tiny_batch
+
+    args, _, profile = env
+    probe = make_problem(profile, None, SolveOptions())
+    lo = probe.min_feasible_budget(stash=True)
+    hi = probe.fixed_bytes + 2 * sum(cs[0].memory_bytes for cs in probe.choices)
+    policy, result = solve_policy(profile, lo + 0.4 * (hi - lo), SolveOptions())
+    assert {d.action for d in policy.layers[0]} >= {"keep", "recompute"}
+    with memory_cap(6):
+        model = build_tiny_gpt(seq_length=32)
+        install(policy, config=model.config, predict_memory=False)
+        try:
+            tokens, positions, mask, labels = tiny_batch(batch_size=2, seq_length=32)
+            loss = model(tokens, positions, mask, labels=labels).float().mean()
+            measured = {i: m.total_bytes for i, m in accounting.latest().items()}
+            loss.backward()
+        finally:
+            uninstall()
+    predicted = policy.predicted["per_layer"]
+    for i in range(2):
+        want = predicted[i]["activation_bytes"] + profile.layer_fixed_bytes
+        assert measured[i] == pytest.approx(want, rel=0.05), (i, measured[i], want)
+
+
+def test_auto_reuses_the_stored_profile(env, monkeypatch) -> None:
+    from megatron_adacc.policy import auto
+
+    args, config, profile = env
+    calls = []
+    monkeypatch.setattr("megatron_adacc.policy.profiler.profile_layer",
+                        lambda *a, **k: calls.append(1) or profile)
+    args.adacc_memory_budget = 10 * 2**30
+    logs: list[str] = []
+    p1 = auto.make_policy(args, config, log=logs.append)
+    p2 = auto.make_policy(args, config, log=logs.append)
+    assert calls == [1]  # profiled once, then reused from the database
+    assert any("reusing profile" in m for m in logs)
+    assert p1.layers == p2.layers and p1.profile["id"] == p2.profile["id"]
+    assert all(d.action == "keep" for d in p1.layers[0])  # 10 GiB: nothing to save
+    args.adacc_memory_budget = 1000
+    from megatron_adacc.policy.strategies import InfeasibleBudgetError
+
+    with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget is"):
+        auto.make_policy(args, config, log=logs.append)
+
+
+def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
+    from megatron_adacc.policy.cli import main
+
+    args, _, _ = env
+    out = tmp_path / "pol.json"
+    argv = ["solve", *ARGV, "--budget", "50MiB", "--adacc-profile-db", args.adacc_profile_db, "-o", str(out)]
+    assert main(argv) == 0
+    assert main(["show", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "linear_qkv" in text and "quantize-all" in text and "paper MILP" in text
+    assert main(["solve", *ARGV, "--budget", "1KiB", "--adacc-profile-db", args.adacc_profile_db,
+                 "-o", str(tmp_path / "x.json")]) == 2
+    assert "smallest feasible budget" in capsys.readouterr().err
+
+
+def test_runtime_stats_feed_evolution(env) -> None:
+    """The evolution's statistics source reads what the runtime measured for int4_outlier tensors."""
+    from megatron_adacc.megatron import install, uninstall
+    from megatron_adacc.policy import Policy
+    from megatron_adacc.policy.evolution import PolicyEvolution, RuntimeStats
+    from megatron_adacc.runtime import accounting
+    from megatron_adacc.testing import build_tiny_gpt, tiny_batch
+
+    _, _, profile = env
+    policy = Policy.uniform({"input_layernorm": "int4_outlier", "self_attn_bda": "int4_outlier",
+                             "softmax": "recompute"}, 2)
+    with memory_cap(6):
+        model = build_tiny_gpt(seq_length=32)
+        install(policy, config=model.config, predict_memory=False)
+        try:
+            tokens, positions, mask, labels = tiny_batch(batch_size=2, seq_length=32)
+            loss = model(tokens, positions, mask, labels=labels).float().mean()
+            per_layer = {i: m.per_op for i, m in accounting.latest().items()}
+            loss.backward()
+            measured = RuntimeStats().measure(policy)
+        finally:
+            uninstall()
+    assert set(measured) == {"input_layernorm", "self_attn_bda"}
+    for op in measured:
+        assert measured[op] == pytest.approx((per_layer[0][op] + per_layer[1][op]) / 2)
+        # another batch, same model shape: the outlier-separated size is close to the profiled one
+        assert measured[op] == pytest.approx(profile.op(op).codecs["int4_outlier"].compressed_bytes, rel=0.2)
+    evo = PolicyEvolution(profile=profile, policy=policy, budget_bytes=1e12, apply=None, log=lambda m: None)
+    updated = evo.updated_profile(measured)
+    assert updated.op("input_layernorm").codecs["int4_outlier"].compressed_bytes == round(measured["input_layernorm"])
