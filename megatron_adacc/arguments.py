@@ -106,6 +106,9 @@ def add_adacc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "attention.")
     g.add_argument("--gact-bits", type=float, default=4.0, metavar="BITS",
                    help="Average bits per activation value for adaptive allocation.")
+    g.add_argument("--gact-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="Adaptive per-tensor bits from sensitivity probes (--no-gact-adaptive: every tensor "
+                        "at --gact-bits).")
     g.add_argument("--gact-adapt-interval", type=int, default=1000, metavar="ITERS",
                    help="Re-estimate sensitivities and bit widths every ITERS iterations.")
     g.add_argument("--gact-group-size", type=int, default=256, metavar="N",

@@ -1,0 +1,333 @@
+"""Saved-tensor hooks that compress every context tensor autograd keeps for backward.
+
+One :class:`SavedTensorCompressor` is shared by all passes of a controller. Each ``with`` block
+(:meth:`SavedTensorCompressor.pass_context`) is one *pass*: one micro-batch's forward and backward. Within a
+pass, saved float tensors are numbered in the order autograd first sees them; that number is the tensor's
+identity ``l`` across iterations (the graph of a training step is static), so its sensitivity, bit width
+and compressor seed can be tracked.
+
+What is packed how:
+
+* parameters and module buffers (matched by storage), and integer tensors: kept as they are;
+* ``bool`` tensors (dropout masks): 1 bit per value with the ``bitmask`` codec (lossless);
+* floating tensors of at least ``min_numel`` values: the ``stochastic`` per-group quantizer at the bit width
+  the controller chose for that tensor (32 bits = kept);
+* a tensor saved by several ops (same storage, offset, shape, stride, dtype and version counter) is packed
+  once and the packed object shared, as GACT's footprint de-duplication does. Liveness is checked with a
+  weak reference, so a freed tensor whose memory is reused is never mistaken for the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .allocation import KEEP_BITS
+
+CodecFactory = Callable[..., Any]
+
+
+def default_codec_factory() -> CodecFactory:
+    """``megatron_adacc.codecs.get_codec``; imported late so the controller module imports without it."""
+    try:
+        from megatron_adacc.codecs import get_codec
+    except ImportError as exc:  # pragma: no cover - only while the codec library is missing
+        raise ImportError(
+            "GACT needs the codec library (megatron_adacc.codecs.get_codec with the 'stochastic' and "
+            "'bitmask' codecs); it is not importable: " + str(exc)
+        ) from exc
+    return get_codec
+
+
+def mix_seed(*parts: int) -> int:
+    """Deterministic 63-bit seed from integers (splitmix64 rounds), so seeds never depend on hash()."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        x = z ^ (z >> 31)
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """What the controller knows about saved tensor ``l`` (from the most recent pass that saw it)."""
+
+    index: int
+    numel: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class PassStats:
+    """Bytes accounting of one pass (forward + backward of one micro-batch)."""
+
+    raw_bytes: int = 0
+    """Bytes the saved activations would hold uncompressed (unique storages, parameters excluded)."""
+    held_bytes: int = 0
+    """Bytes actually held for backward: packed sizes of compressed tensors + storages of kept ones."""
+    recompute_bytes: int = 0
+    """Bytes packed during backward (activations re-saved by recompute): transient, one layer at a time,
+    so not part of ``held_bytes``."""
+    swapped_bytes: int = 0
+    """Packed bytes moved to host memory (L2); not part of ``held_bytes``' device share."""
+    compressed_tensors: int = 0
+    kept_tensors: int = 0
+    mask_tensors: int = 0
+    dedup_hits: int = 0
+
+
+class Packed:
+    """A compressed saved tensor; autograd holds this instead of the tensor."""
+
+    __slots__ = (
+        "__weakref__",
+        "bits",
+        "codec",
+        "device",
+        "dtype",
+        "nbytes",
+        "payload",
+        "shape",
+        "swap",
+        "tensor_id",
+    )
+
+    def __init__(self, codec: Any, payload: Any, like: torch.Tensor, tensor_id: int, bits: int):
+        self.codec = codec
+        self.payload = payload
+        self.shape = like.shape
+        self.dtype = like.dtype
+        self.device = like.device
+        self.tensor_id = tensor_id
+        self.bits = bits
+        self.nbytes = int(payload.nbytes)
+        self.swap: Any = None
+
+    def unpack(self) -> torch.Tensor:
+        payload = self.swap.fetch(self) if self.swap is not None else self.payload
+        out = self.codec.decompress(payload)
+        if out.shape != self.shape:
+            out = out.reshape(self.shape)
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)
+        if out.device != self.device:
+            out = out.to(self.device, non_blocking=True)
+        return out
+
+
+_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. Megatron's recompute re-saving activations)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class SavedTensorCompressor:
+    """Pack/unpack hooks with per-tensor bit widths and seeds supplied by the controller.
+
+    ``bits_for(tensor_id, numel)`` and ``seed_for(tensor_id)`` are callables owned by the controller, so the
+    sensitivity probes can change one tensor's seed without touching this class.
+    """
+
+    def __init__(
+        self,
+        model_tensors: Callable[[], Iterable[torch.Tensor]],
+        group_size: int,
+        bits_for: Callable[[int, int], int],
+        seed_for: Callable[[int], int],
+        codec_factory: CodecFactory | None = None,
+        min_numel: int | None = None,
+        swap: Any = None,
+    ):
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.group_size = group_size
+        self.min_numel = group_size if min_numel is None else min_numel
+        self.bits_for = bits_for
+        self.seed_for = seed_for
+        self._factory = codec_factory
+        self._codecs: dict[Any, Any] = {}
+        self.swap = swap
+        self._model_tensors = model_tensors
+        self.refresh_model_tensors()
+        self.tensors: dict[int, TensorInfo] = {}
+        self.stats = PassStats()
+        self.last_stats = PassStats()
+        self.peak_held_bytes = 0
+        self.peak_raw_bytes = 0
+        self.passes = 0
+        self._depth = 0
+        self.recording = True  # False while the controller probes: probe passes stay out of the figures
+        self._next_id = 0
+        self._dedup: dict[tuple, tuple[weakref.ref, Any]] = {}
+        self._counted: dict[int, weakref.ref] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seed_style: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ setup
+    def refresh_model_tensors(self) -> None:
+        """Remember the storages of parameters and buffers, which are never compressed or counted. Done at
+        every pass, so moving the model (``.cuda()``, a DDP buffer) after building the controller is fine."""
+        self._model_storages = {_storage_key(t) for t in self._model_tensors() if t is not None}
+
+    def codec(self, kind: str, **kwargs: Any) -> Any:
+        key = (kind, tuple(sorted(kwargs.items())))
+        if key not in self._codecs:
+            factory = self._factory or default_codec_factory()
+            self._codecs[key] = factory(kind, **kwargs)
+        return self._codecs[key]
+
+    def _compress_seeded(self, codec: Any, x: torch.Tensor, seed: int) -> Any:
+        """Call ``codec.compress`` with the tensor's seed, whichever way the codec takes it (an integer
+        ``seed`` for counter-based codecs, else a seeded ``torch.Generator``)."""
+        how = self._seed_style.get(id(codec))
+        if how is None:
+            params = inspect.signature(codec.compress).parameters
+            how = "seed" if "seed" in params else "generator" if "generator" in params else ""
+            if not how:
+                raise TypeError(f"GACT needs a seedable stochastic codec; {codec!r}.compress takes neither "
+                                "seed= nor generator=")
+            self._seed_style[id(codec)] = how
+        if how == "seed":
+            return codec.compress(x, seed=seed)
+        # A CPU generator even for CUDA tensors: the codec draws one seed from it per call, and drawing
+        # from a CUDA generator would synchronise the device on every pack.
+        return codec.compress(x, generator=self._generator(torch.device("cpu"), seed))
+
+    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
+
+    # ------------------------------------------------------------------ passes
+    @contextlib.contextmanager
+    def pass_context(self) -> Iterator[SavedTensorCompressor]:
+        """Install the hooks for one forward+backward. Re-entering while active is a no-op, so a probe that
+        runs the training loop's own micro-batch context inside ours does not start a second pass."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
+        self._next_id = 0
+        self.refresh_model_tensors()
+        self.stats = PassStats()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield self
+        finally:
+            self._depth = 0
+            self._dedup.clear()
+            self._counted.clear()
+            self.passes += 1
+            if self.recording:
+                self.last_stats = self.stats
+                self.peak_held_bytes = max(self.peak_held_bytes, self.stats.held_bytes)
+                self.peak_raw_bytes = max(self.peak_raw_bytes, self.stats.raw_bytes)
+            if self.swap is not None:
+                self.swap.end_pass()
+
+    # ------------------------------------------------------------------ hooks
+    def _count_storage(self, x: torch.Tensor) -> int:
+        """Storage bytes of ``x`` the first time its (live) storage is seen in this pass, else 0."""
+        key = _storage_key(x)
+        ref = self._counted.get(key)
+        if ref is not None and ref() is not None:
+            return 0
+        self._counted[key] = weakref.ref(x)
+        return x.untyped_storage().nbytes()
+
+    def _add_raw(self, nbytes: int) -> None:
+        if not _in_backward():
+            self.stats.raw_bytes += nbytes
+
+    def _add_held(self, nbytes: int) -> None:
+        if _in_backward():
+            self.stats.recompute_bytes += nbytes
+        else:
+            self.stats.held_bytes += nbytes
+
+    def pack(self, x: torch.Tensor) -> Any:
+        if not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested:
+            return x
+        if _storage_key(x) in self._model_storages:
+            return x
+        is_float = x.dtype in _QUANTIZABLE  # float64 and exotic floats are kept exactly
+        is_mask = x.dtype is torch.bool
+        if not (is_float or is_mask):
+            raw = self._count_storage(x)
+            self._add_raw(raw)
+            self._add_held(raw)
+            self.stats.kept_tensors += 1
+            return x
+
+        key = (_storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version)
+        hit = self._dedup.get(key)
+        if hit is not None and hit[0]() is not None:
+            self.stats.dedup_hits += 1
+            return hit[1]
+
+        raw = self._count_storage(x)
+        self._add_raw(raw)
+        if is_mask:
+            packed = Packed(self.codec("bitmask"), self.codec("bitmask").compress(x), x, -1, 1)
+            self.stats.mask_tensors += 1
+        else:
+            tid = self._next_id if x.numel() >= self.min_numel else -1
+            bits = KEEP_BITS
+            if tid >= 0:
+                self._next_id += 1
+                self.tensors[tid] = TensorInfo(tid, x.numel(), tuple(x.shape), x.dtype)
+                bits = self.bits_for(tid, x.numel())
+            if bits >= KEEP_BITS:
+                self._add_held(raw)
+                self.stats.kept_tensors += 1
+                self._dedup[key] = (weakref.ref(x), x)
+                return x
+            codec = self.codec("stochastic", bits=int(bits), group_size=self.group_size)
+            try:
+                payload = self._compress_seeded(codec, x.detach(), self.seed_for(tid))
+            except ValueError as exc:
+                if type(exc).__name__ != "NonFiniteInputError":
+                    raise
+                # NaN/Inf would poison the whole group; keep it exact and let the loss scaler see it.
+                self._add_held(raw)
+                self.stats.kept_tensors += 1
+                self._dedup[key] = (weakref.ref(x), x)
+                return x
+            packed = Packed(codec, payload, x, tid, int(bits))
+            self.stats.compressed_tensors += 1
+        if self.swap is not None and self.swap.active:
+            self.swap.offload(packed)
+            self.stats.swapped_bytes += packed.nbytes
+        else:
+            self._add_held(packed.nbytes)
+        self._dedup[key] = (weakref.ref(x), packed)
+        return packed
+
+    @staticmethod
+    def unpack(obj: Any) -> Any:
+        if isinstance(obj, Packed):
+            return obj.unpack()
+        return obj
