@@ -215,7 +215,7 @@ def _print_summary(s: dict) -> None:
     ]
     for name, report in s["extensions"].items():
         for key, value in report.items():
-            shown = format_bytes(value) if key.endswith("_bytes") and isinstance(value, (int, float)) else value
+            shown = format_bytes(value) if "bytes" in key and isinstance(value, (int, float)) else value
             lines.append(f"  {name}.{key}: {shown}")
     print("\n".join(line for line in lines if line))
 

@@ -1,0 +1,34 @@
+"""Gradient compressors, one per file: ``topk``, ``dgc``, ``qsgd`` (and the identity ``none``)."""
+
+from __future__ import annotations
+
+from ..base import Compressor
+from .dgc import DGCCompressor
+from .none import NoneCompressor
+from .qsgd import QSGDCompressor
+from .topk import TopKCompressor
+
+COMPRESSORS = ("topk", "dgc", "qsgd", "none")
+
+
+def build_compressor(name: str, *, density: float = 0.01, qsgd_levels: int = 16, seed: int = 0) -> Compressor:
+    """The compressor called ``name`` (``--grad-compressor``); ``seed`` should differ per rank."""
+    if name == "topk":
+        return TopKCompressor(density)
+    if name == "dgc":
+        return DGCCompressor(density, seed=seed)
+    if name == "qsgd":
+        return QSGDCompressor(qsgd_levels, seed=seed)
+    if name == "none":
+        return NoneCompressor()
+    raise ValueError(f"unknown gradient compressor {name!r}; choose one of {', '.join(COMPRESSORS)}")
+
+
+__all__ = [
+    "COMPRESSORS",
+    "DGCCompressor",
+    "NoneCompressor",
+    "QSGDCompressor",
+    "TopKCompressor",
+    "build_compressor",
+]

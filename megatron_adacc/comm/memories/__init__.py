@@ -1,0 +1,51 @@
+"""Error-feedback memories, one scheme per file: plain ``residual`` and ResiReduce ``a``, ``w``, ``d``,
+``2d``, ``w+2d`` (plus ``none``, compression without error feedback)."""
+
+from __future__ import annotations
+
+from ..base import Memory
+from .none import NoneMemory
+from .residual import ResidualMemory
+from .resireduce_2d import ResiReduce2D, RowColumnSelection
+from .resireduce_a import ResiReduceA, uniform_weights
+from .resireduce_d import ResiReduceD, RowSelection
+from .resireduce_w import ResiReduceW, significance_weights
+from .resireduce_w2d import ResiReduceW2D
+
+SCHEMES = ("none", "residual", "a", "w", "d", "2d", "w+2d")
+
+
+def build_memory(scheme: str, *, group_size: int = 4, phi: float = 0.5, ratio: float = 0.5) -> Memory:
+    """The memory of ``--resireduce SCHEME``."""
+    if scheme == "none":
+        return NoneMemory()
+    if scheme == "residual":
+        return ResidualMemory()
+    if scheme == "a":
+        return ResiReduceA(group_size)
+    if scheme == "w":
+        return ResiReduceW(group_size, phi)
+    if scheme == "d":
+        return ResiReduceD(ratio)
+    if scheme == "2d":
+        return ResiReduce2D(ratio)
+    if scheme == "w+2d":
+        return ResiReduceW2D(group_size, phi, ratio)
+    raise ValueError(f"unknown residual scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+
+
+__all__ = [
+    "SCHEMES",
+    "NoneMemory",
+    "ResidualMemory",
+    "ResiReduceA",
+    "ResiReduceW",
+    "ResiReduceD",
+    "ResiReduce2D",
+    "ResiReduceW2D",
+    "RowSelection",
+    "RowColumnSelection",
+    "build_memory",
+    "significance_weights",
+    "uniform_weights",
+]
