@@ -1,0 +1,87 @@
+"""``adacc train --adacc-policy ...``: install the policy and report the bytes it holds for backward.
+
+The runtime's saved-tensor hooks are the innermost ones inside every transformer layer, so the training loop's
+own meter no longer sees the layers' tensors. This extension therefore meters the rest of the model (embedding,
+final norm, logits, loss) itself and adds the layers' bytes as the runtime measured them, which makes
+``saved_activation_bytes`` comparable with a run without a policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from contextlib import AbstractContextManager
+from typing import Any
+
+from megatron_adacc.training.extension import TrainingContext, TrainingExtension
+
+
+class AdaccExtension(TrainingExtension):
+    """Runs the model's layers under an Adacc policy and reports measured vs predicted memory."""
+
+    name = "adacc"
+
+    def __init__(self, policy: Any, config: Any, predict_memory: bool = True):
+        from megatron_adacc.megatron import install
+
+        self.policy = install(policy, config=config, predict_memory=predict_memory)
+        self._meter = None
+        self._outer_bytes = 0
+        self._params: list = []
+        self._first_micro = True
+
+    def setup(self, ctx: TrainingContext) -> None:
+        self._params = [p for m in ctx.model for p in m.parameters()]
+
+    def on_step_begin(self, iteration: int) -> None:
+        self._first_micro = True
+
+    def microbatch_context(self) -> AbstractContextManager:
+        from megatron_adacc.training.memory import SavedTensorMeter
+
+        if not self._first_micro:
+            return contextlib.nullcontext()
+        self._first_micro = False
+        meter = SavedTensorMeter(self._params)
+
+        @contextlib.contextmanager
+        def metered():
+            with meter:
+                yield
+            self._outer_bytes = meter.nbytes
+
+        return metered()
+
+    def report(self) -> dict[str, Any]:
+        from megatron_adacc.megatron import installed_policy
+        from megatron_adacc.runtime.memory import memory_report
+
+        policy = installed_policy()
+        rep = memory_report(policy)
+        out: dict[str, Any] = {
+            "policy": getattr(policy, "name", None) or str(policy),
+            "layer_bytes_measured": rep["measured_bytes"],
+            "layer_bytes_predicted": rep.get("predicted_bytes"),
+            "layers": [{"layer": r["layer"], "measured_bytes": r["measured_bytes"],
+                        "predicted_bytes": r.get("predicted_bytes"), "rel_error": r.get("rel_error")}
+                       for r in rep["layers"]],
+            "nonfinite_fallbacks": sum(r["measured"].nonfinite_fallbacks for r in rep["layers"]),
+            "saved_activation_bytes": self._outer_bytes + rep["measured_bytes"] + rep["shared_bytes"],
+        }
+        errors = [r["rel_error"] for r in rep["layers"] if r.get("rel_error") is not None]
+        if errors:
+            out["max_rel_error"] = max(errors)
+        return out
+
+
+def build_extension(args: Any, config: Any) -> AdaccExtension:
+    """The extension for ``--adacc-policy`` (called by ``adacc train`` before the model is built)."""
+    spec = args.adacc_policy
+    if spec == "auto":
+        raise SystemExit(
+            "--adacc-policy auto needs a solved policy: run `adacc solve` (policy maker) and pass the file it "
+            "writes as --adacc-policy PATH")
+    # ADACC_PREDICT_MEMORY=0 skips the per-layer size profile (one extra layer forward at step 1), which would
+    # otherwise show in peak-memory benchmarks.
+    predict = os.environ.get("ADACC_PREDICT_MEMORY", "1") != "0"
+    return AdaccExtension(spec, config, predict_memory=predict)
