@@ -75,13 +75,15 @@ class AdaccExtension(TrainingExtension):
 
 
 def build_extension(args: Any, config: Any) -> AdaccExtension:
-    """The extension for ``--adacc-policy`` (called by ``adacc train`` before the model is built)."""
-    spec = args.adacc_policy
-    if spec == "auto":
-        raise SystemExit(
-            "--adacc-policy auto needs a solved policy: run `adacc solve` (policy maker) and pass the file it "
-            "writes as --adacc-policy PATH")
+    """The extension for ``--adacc-policy`` (called by ``adacc train`` before the model is built).
+
+    ``auto`` profiles (or reuses the stored profile) and solves the MILP; a file is checked against this model's
+    signature; presets are sized to the model.
+    """
+    from megatron_adacc.policy.auto import resolve_policy
+
+    policy = resolve_policy(args, config)
     # ADACC_PREDICT_MEMORY=0 skips the per-layer size profile (one extra layer forward at step 1), which would
     # otherwise show in peak-memory benchmarks.
     predict = os.environ.get("ADACC_PREDICT_MEMORY", "1") != "0"
-    return AdaccExtension(spec, config, predict_memory=predict)
+    return AdaccExtension(policy, config, predict_memory=predict)

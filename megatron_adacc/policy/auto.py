@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,15 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
     return profile, db.reference(pid, profile)
 
 
+def _resident_bytes() -> int:
+    """This process's resident set size now (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log) -> Policy:
     """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory).
 
@@ -54,9 +64,17 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log) ->
     """
     from megatron_adacc.policy.profiler import device_memory_bytes
 
+    device = _device(args)
+    if device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None):
+        # On the CPU the budget is peak RSS, which also counts the interpreter, torch and megatron-core. Kept on
+        # args so that policy evolution re-solves against the same static memory.
+        args.adacc_process_baseline_bytes = _resident_bytes()
+        log(f"CPU: the budget is peak RSS; counting this process's {args.adacc_process_baseline_bytes / 2**20:.0f}"
+            " MiB (interpreter and libraries) as static memory")
+    options = SolveOptions.from_args(args)
     profile, ref = get_or_make_profile(args, config, log=log)
-    budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(_device(args))
-    policy, result = solve_policy(profile, budget, SolveOptions.from_args(args), profile_ref=ref,
+    budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
+    policy, result = solve_policy(profile, budget, options, profile_ref=ref,
                                   signature=model_signature(config, args))
     log(f"policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms: predicted "
         f"{result.predicted_memory_bytes / 2**30:.3f} GiB of {budget / 2**30:.3f} GiB, "

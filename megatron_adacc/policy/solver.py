@@ -20,6 +20,9 @@ class SolveOptions:
     codec_family: str = "int4"
     """``int4`` (the paper's codecs) or ``gact`` (GACT's stochastic quantizer for every compressed tensor)."""
     outlier_z: float = 3.0
+    process_baseline_bytes: float = 0.0
+    """Memory the process holds besides the model (on the CPU: the interpreter, torch and megatron-core, whose
+    pages count in peak RSS, the CPU's measure of the budget). Added to the static memory of eq. 7."""
 
     @classmethod
     def from_args(cls, args: Any) -> SolveOptions:
@@ -27,7 +30,8 @@ class SolveOptions:
                    heterogeneous=getattr(args, "adacc_heterogeneous", True),
                    codecs=getattr(args, "adacc_codecs", "default") or "default",
                    codec_family=getattr(args, "adacc_codec", "int4") or "int4",
-                   outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0)
+                   outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0,
+                   process_baseline_bytes=float(getattr(args, "adacc_process_baseline_bytes", 0.0) or 0.0))
 
 
 def make_problem(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions,
@@ -36,6 +40,7 @@ def make_problem(profile: LayerProfile, budget_bytes: float | None, options: Sol
         raise ValueError(f"codec family must be int4 or gact, got {options.codec_family!r}")
     return build_problem(
         profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
+        static_bytes=profile.static_bytes + options.process_baseline_bytes,
         only_codec="stochastic" if options.codec_family == "gact" else None,
         codec_params={"int4_outlier": {"z_threshold": float(options.outlier_z)}},
     )

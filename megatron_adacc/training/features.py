@@ -33,8 +33,15 @@ def build_extensions(args: SimpleNamespace, config) -> list[TrainingExtension]:
     extensions: list[TrainingExtension] = []
     if args.adacc_policy != "none":
         from ..megatron import build_extension as adacc_extension
+        from ..policy import Policy
+        from ..policy.evolution import build_extension as evolution_extension
 
-        extensions.append(adacc_extension(args, config))
+        adacc = adacc_extension(args, config)
+        extensions.append(adacc)
+        # Only a solved policy (auto) carries the profile and budget that evolution re-solves against.
+        evolution = evolution_extension(args, config, adacc.policy) if isinstance(adacc.policy, Policy) else None
+        if evolution is not None:
+            extensions.append(evolution)
     if args.gact_level != "L0":
         from ..gact import build_extension as gact_extension
 

@@ -1,0 +1,40 @@
+"""`adacc train --adacc-policy auto`: profile, solve and evolution join the loop; bad budgets stop early."""
+
+import pytest
+
+from megatron_adacc.policy.strategies.base import InfeasibleBudgetError
+from megatron_adacc.training.args import parse_train_args
+from megatron_adacc.training.loop import train
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+         "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "4", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _uninstall(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADACC_PROFILE_DB", str(tmp_path / "profile.sqlite"))
+    yield
+    from megatron_adacc.megatron import uninstall
+
+    uninstall()
+
+
+def test_auto_policy_trains_with_evolution():
+    summary = train(parse_train_args(SMALL + ["--train-iters", "4", "--adacc-policy", "auto",
+                                              "--adacc-memory-budget", "64GiB"]))
+    assert "adacc" in summary["extensions"]
+    evolution = summary["extensions"]["adacc_evolution"]
+    assert evolution["tracking_iterations"] == [1, 2, 4]
+    assert summary["final_loss"] < summary["first_loss"]
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget is"):
+        train(parse_train_args(SMALL + ["--train-iters", "1", "--adacc-policy", "auto",
+                                        "--adacc-memory-budget", "1MiB"]))
+
+
+def test_adacc_and_megatron_recompute_are_exclusive():
+    with pytest.raises(SystemExit, match="--recompute-granularity"):
+        train(parse_train_args(SMALL + ["--adacc-policy", "keep", "--recompute-granularity", "full",
+                                        "--recompute-method", "uniform", "--recompute-num-layers", "1"]))
