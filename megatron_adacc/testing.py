@@ -115,10 +115,19 @@ def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] | None = No
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *(args or [])]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          preexec_fn=_lift_address_space_cap)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def _lift_address_space_cap() -> None:
+    """Children of a capped test get their own, larger cap: the test's :func:`memory_cap` guards against a
+    runaway in the test process, while torchrun's launcher and ranks reserve address space (threads, gloo
+    buffers) that a cap sized for one tiny model in one process can refuse, which aborts a rank (SIGABRT)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 
 
 def _free_port() -> int:
