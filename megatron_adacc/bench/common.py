@@ -13,15 +13,34 @@ import sys
 from . import harness
 
 
+#: Adacc's per-layer size profile (one extra layer forward at step 1, for predicted-vs-measured bytes) is a
+#: diagnostic, not part of a method's cost: benchmarks turn it off so it does not show in peak memory.
+_ENV = {"ADACC_PREDICT_MEMORY": "0"}
+
+
+def profile_for(flags: list[str], timeout: float = 1800) -> None:
+    """Run `adacc profile` for this configuration in its own process, so that an ``--adacc-policy auto`` run
+    afterwards reuses the stored profile and its peak memory does not include the profiling."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(harness.REPO_ROOT)}
+    keep = [f for f in flags if not f.startswith("--adacc-policy") and f != "auto"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_adacc.cli", "profile", *keep], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"adacc profile failed:\n{proc.stderr[-3000:]}")
+
+
 def train_method(flags: list[str], memory_run: bool = True, timeout: float = 1800) -> dict:
     """Metrics of one `adacc train` invocation: step_time_s, tokens_per_s, final_loss, losses,
     saved_activation_bytes, peak_memory_bytes (from a low-fragmentation run when ``memory_run``)."""
-    timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout)
-    out = {k: timed[k] for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
-                                 "peak_memory_bytes", "losses")}
+    timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV)
+    out = {k: timed.get(k) for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
+                                     "peak_memory_bytes", "losses", "valid_loss")}
     out["peak_memory_source"] = timed["peak_memory_kind"]
     if memory_run and timed["device"] == "cpu":
-        mem = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout,
+        mem = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV,
                                             low_fragmentation_malloc=True)
         out["peak_memory_bytes"] = mem["peak_memory_bytes"]
         out["peak_memory_source"] = "peak_rss (MALLOC_MMAP_THRESHOLD_=65536 run)"

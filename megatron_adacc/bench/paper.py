@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from . import harness
-from .common import train_method
+from .common import profile_for, train_method
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
@@ -74,6 +74,8 @@ def run(args) -> dict:
         if budget is not None and "auto" in flags:
             extra += ["--adacc-memory-budget", str(budget)]
         try:
+            if "auto" in flags:
+                profile_for(common + flags + extra)
             return train_method(common + flags + extra)
         except RuntimeError as exc:  # an infeasible Adacc budget, or an out-of-memory run
             return {"error": str(exc).strip().splitlines()[-1][:300]}
@@ -120,6 +122,8 @@ def run(args) -> dict:
     for name, flags in LOSS_METHODS.items():
         print(f"fig6: {name}, {loss_steps} steps ...", flush=True)
         try:
+            if "auto" in flags:
+                profile_for(loss_common + flags)
             curves[name] = train_method(loss_common + flags, memory_run=False)
         except RuntimeError as exc:
             curves[name] = {"error": str(exc).strip().splitlines()[-1][:300], "losses": []}

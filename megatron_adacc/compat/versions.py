@@ -15,6 +15,7 @@ from functools import lru_cache
 SUPPORTED_LINES: dict[tuple[int, int], str] = {
     (0, 16): "0.16 (Python 3.10/3.11; TransformerBlock._checkpointed_forward)",
     (0, 19): "0.19 (Python 3.12; megatron.core.recompute.checkpointed_forward)",
+    (0, 20): "0.20 (Megatron-LM main pinned in patches/; same entry points as 0.19)",
 }
 
 #: Set to 1 to try a megatron-core release outside SUPPORTED_LINES at your own risk.

@@ -8,12 +8,12 @@ from megatron_adacc.testing import init_distributed_single
 
 
 def test_installed_megatron_is_a_supported_line():
-    assert megatron_line() in {(0, 16), (0, 19)}
+    assert megatron_line() in {(0, 16), (0, 19), (0, 20)}
 
 
-@pytest.mark.parametrize("version", ["0.16.1", "0.19.2", "0.19.0rc1"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2", "0.19.0rc1", "0.20.0"])
 def test_supported_versions_parse(version):
-    assert megatron_line(version) in {(0, 16), (0, 19)}
+    assert megatron_line(version) in {(0, 16), (0, 19), (0, 20)}
 
 
 @pytest.mark.parametrize("version", ["0.13.0", "0.21.0", "1.0.0"])

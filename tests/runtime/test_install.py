@@ -19,9 +19,16 @@ from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, tiny_config
 
 
 def _entry():
-    from megatron.core.transformer.transformer_block import TransformerBlock
+    """The installed release line's full-recompute entry point, as install() finds it."""
+    import importlib
 
-    return TransformerBlock._checkpointed_forward
+    from megatron_adacc.compat import megatron_line
+
+    module, attr, _ = entry_points(megatron_line())
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @pytest.fixture(scope="module")
