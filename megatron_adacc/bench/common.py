@@ -12,7 +12,6 @@ import sys
 
 from . import harness
 
-
 #: Adacc's per-layer size profile (one extra layer forward at step 1, for predicted-vs-measured bytes) is a
 #: diagnostic, not part of a method's cost: benchmarks turn it off so it does not show in peak memory.
 _ENV = {"ADACC_PREDICT_MEMORY": "0"}
