@@ -150,13 +150,13 @@ def print_table(methods: dict, baseline: str | None = None, metrics: list[str] |
 
 
 def run_method_subprocess(module: str, payload: dict, env: dict | None = None, timeout: float = 1800,
-                          low_fragmentation_malloc: bool = False) -> dict:
+                          low_fragmentation_malloc: bool = False, nproc: int = 1) -> dict:
     """Run ``python -m module`` with ``payload`` as JSON in a fresh process; return the JSON it prints last.
 
     The child reads the payload path from argv[1] and must print one JSON object as its last stdout line.
     ``low_fragmentation_malloc`` sets ``MALLOC_MMAP_THRESHOLD_=65536`` so that peak RSS follows live memory
     (glibc otherwise keeps freed activation buffers; see docs/measuring.md). Use it for memory runs only:
-    it slows large allocations.
+    it slows large allocations. ``nproc > 1`` launches the module under torchrun on 127.0.0.1 (rank 0 prints).
     """
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(payload, fh)
@@ -166,7 +166,12 @@ def run_method_subprocess(module: str, payload: dict, env: dict | None = None, t
         child_env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     child_env.update(env or {})
     try:
-        proc = subprocess.run([sys.executable, "-m", module, path], capture_output=True, text=True,
+        launcher = [sys.executable]
+        if nproc > 1:
+            child_env.setdefault("OMP_NUM_THREADS", "1")
+            launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+                         f"--master_port={_free_port()}"]
+        proc = subprocess.run([*launcher, "-m", module, path], capture_output=True, text=True,
                               timeout=timeout, env=child_env)
     finally:
         os.unlink(path)
@@ -176,3 +181,11 @@ def run_method_subprocess(module: str, payload: dict, env: dict | None = None, t
     if not last:
         raise RuntimeError(f"{module} printed no JSON result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(last[-1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

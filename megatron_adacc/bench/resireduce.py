@@ -16,12 +16,8 @@ method with a fixed mmap threshold (see megatron_adacc/bench/common.py); ``--qui
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 
 from . import harness
 
@@ -67,28 +63,8 @@ def _flags(args, scheme: str, iters: int) -> list[str]:
 
 
 def _launch(runs: list[dict], nproc: int, low_fragmentation: bool = False, timeout: float = 3600) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump({"runs": runs}, fh)
-        path = fh.name
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(harness.REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if low_fragmentation:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "-m", __name__, path]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    finally:
-        os.unlink(path)
-    if proc.returncode != 0:
-        raise RuntimeError(f"resireduce bench child failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"resireduce bench child printed no result:\n{proc.stdout[-3000:]}")
-    return json.loads(lines[-1])
+    return harness.run_method_subprocess(__name__, {"runs": runs}, env={"OMP_NUM_THREADS": "1"}, timeout=timeout,
+                                         low_fragmentation_malloc=low_fragmentation, nproc=nproc)
 
 
 def run(args) -> dict:
