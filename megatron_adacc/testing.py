@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .training.data import VOCAB_SIZE
+from .training.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +114,7 @@ def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] | None = No
     Raises with the combined output when the run fails, so a test failure shows the ranks' tracebacks.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *(args or [])]
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *(args or [])]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           preexec_fn=_lift_address_space_cap)
@@ -128,11 +129,3 @@ def _lift_address_space_cap() -> None:
     buffers) that a cap sized for one tiny model in one process can refuse, which aborts a rank (SIGABRT)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -168,9 +168,11 @@ def run_method_subprocess(module: str, payload: dict, env: dict | None = None, t
     try:
         launcher = [sys.executable]
         if nproc > 1:
+            from ..training.distributed import free_port
+
             child_env.setdefault("OMP_NUM_THREADS", "1")
             launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-                         f"--master_port={_free_port()}"]
+                         f"--master_port={free_port()}"]
         proc = subprocess.run([*launcher, "-m", module, path], capture_output=True, text=True,
                               timeout=timeout, env=child_env)
     finally:
@@ -181,11 +183,3 @@ def run_method_subprocess(module: str, payload: dict, env: dict | None = None, t
     if not last:
         raise RuntimeError(f"{module} printed no JSON result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(last[-1])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -190,10 +190,7 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
     ax.set(xlabel="micro-batch size", ylabel="tokens / s", xscale="log", title=(
         f"Fig. 5: throughput under a {budget / 2**20:.0f} MiB budget (missing points do not fit)"))
     ax.legend()
-    fig.tight_layout()
-    files["throughput"] = out / "paper_throughput.png"
-    fig.savefig(files["throughput"], dpi=120)
-    plt.close(fig)
+    files["throughput"] = _save(plt, fig, out / "paper_throughput.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, c in curves.items():
@@ -205,10 +202,7 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
             ax.plot(range(1, len(losses) + 1), smooth, label=name)
     ax.set(xlabel="iteration", ylabel="training loss (running mean)", title="Fig. 6: loss curves")
     ax.legend()
-    fig.tight_layout()
-    files["loss"] = out / "paper_loss.png"
-    fig.savefig(files["loss"], dpi=120)
-    plt.close(fig)
+    files["loss"] = _save(plt, fig, out / "paper_loss.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(evolution)
@@ -220,11 +214,15 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(mbs))], [str(m) for m in mbs])
     ax.set(xlabel="micro-batch size", ylabel="tokens / s", title="Fig. 7: adaptive policy evolution")
     ax.legend()
-    fig.tight_layout()
-    files["evolution"] = out / "paper_evolution.png"
-    fig.savefig(files["evolution"], dpi=120)
-    plt.close(fig)
+    files["evolution"] = _save(plt, fig, out / "paper_evolution.png")
     return files
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _ratio(a, b) -> str:

@@ -29,7 +29,7 @@ def initialize(device: torch.device, seed: int) -> tuple[int, int]:
         cpu.apply()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         if device.type == "cuda":
@@ -59,7 +59,8 @@ def shutdown() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a rendezvous)."""
     import socket
 
     with socket.socket() as s:
