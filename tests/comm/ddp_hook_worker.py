@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -69,7 +70,13 @@ def main() -> None:
         result = run(spec)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()  # no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
+    # torch DDP's reducer can leave a joinable C++ thread behind; static destruction then calls std::terminate
+    # (SIGABRT) after all work is done. The results are printed and flushed, so skip interpreter teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
