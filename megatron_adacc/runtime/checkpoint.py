@@ -88,11 +88,15 @@ class MaskCodec:
     @staticmethod
     def float_mask_scale(t: torch.Tensor) -> float | None:
         """The common non-zero value of ``t`` when ``t`` is a float dropout multiplier, else None."""
-        nonzero = t[t != 0]
-        if nonzero.numel() == 0:
+        # Runs inside the forward at every dropout: at most one bool temporary at a time (a quarter of an fp32
+        # mask), where gathering the non-zeros would briefly cost several times the mask itself.
+        if t.numel() == 0:
             return None
-        scale = nonzero.reshape(-1)[0]
-        return float(scale) if bool((nonzero == scale).all()) else None
+        scale = t.max()
+        if not bool(scale > 0):
+            return None
+        nonzero = int(torch.count_nonzero(t))
+        return float(scale) if int(torch.count_nonzero(t == scale)) == nonzero else None
 
     def compress(self, t: torch.Tensor, scale: float | None = None) -> _MaskPacked:
         bits = codec_for("bitmask", {})
@@ -277,12 +281,18 @@ class _Segment:
                 captured[key] = t.detach()
             return None
 
+        # Values no later op of the segment reads and no token wants die as the segment runs, as in the
+        # forward: the re-run should not hold more than the tensors it brings back.
+        wanted_outputs = {h.key[1] for h in live if h.key[0] == "view"}
+        last_read = {name: i for i, op in enumerate(self.ops) for name in op.inputs}
         with torch.enable_grad(), _replay_rng(self.rng):
             env = self._inputs()  # under enable_grad: backward runs with grad mode off
-            for op in self.ops:
+            for i, op in enumerate(self.ops):
                 cursor["op"], cursor["index"] = op.name, 0
                 with torch.autograd.graph.saved_tensors_hooks(pack, _discard):
                     env.update(op.run(env))
+                for name in [n for n in env if last_read.get(n, -1) <= i and n not in wanted_outputs]:
+                    del env[name]
         for h in live:
             if h.key[0] == "internal":
                 if h.key not in captured:

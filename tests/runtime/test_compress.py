@@ -100,5 +100,8 @@ def test_float_dropout_mask_is_stored_losslessly_in_bits():
     assert packed.nbytes == 125  # one bit per value
     assert torch.equal(MASK_CODEC.decompress(packed), mask)
     assert MaskCodec.float_mask_scale(torch.tensor([0.0, 1.0, 2.0])) is None
+    assert MaskCodec.float_mask_scale(torch.tensor([0.0, -1.0, -1.0])) is None  # not a dropout multiplier
+    assert MaskCodec.float_mask_scale(torch.zeros(8)) is None
+    assert MaskCodec.float_mask_scale(torch.zeros(0)) is None
     bools = torch.rand(77) < 0.5
     assert torch.equal(MASK_CODEC.decompress(MASK_CODEC.compress(bools)), bools)
