@@ -186,7 +186,7 @@ def _patch_entry_point() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ public API
-def install(policy: Any, config: Any = None, *, predict_memory: bool = True) -> Any | None:
+def install(policy: Any, config: Any = None, *, predict_memory: bool | None = None) -> Any | None:
     """Run every ``TransformerLayer`` of models built from ``config`` under ``policy`` (idempotent).
 
     Args:
@@ -196,7 +196,8 @@ def install(policy: Any, config: Any = None, *, predict_memory: bool = True) -> 
         config: the megatron-core ``TransformerConfig`` the model is (or will be) built from.
         predict_memory: profile each layer's per-op sizes at its first forward (one extra layer forward, no
             backward) so :func:`megatron_adacc.runtime.memory_report` can give predicted next to measured bytes.
-            Benchmarks of peak memory turn it off.
+            Benchmarks of peak memory turn it off. ``None`` keeps the current setting (on at the first
+            install), so that a policy switch during training neither turns it back on nor profiles again.
 
     Returns:
         The policy object (a preset stays a string until the first forward).
@@ -221,8 +222,9 @@ def install(policy: Any, config: Any = None, *, predict_memory: bool = True) -> 
     config.recompute_num_layers = 1
     setattr(config, _CONFIG_ATTR, spec)
     _STATE["policy"] = spec
-    _STATE["predict_memory"] = bool(predict_memory)
-    _STATE["profiled"] = set()
+    if predict_memory is not None:
+        _STATE["predict_memory"] = bool(predict_memory)
+        _STATE["profiled"] = set()
     from megatron_adacc.runtime import accounting
 
     accounting.clear()
@@ -243,6 +245,7 @@ def uninstall() -> None:
                 delattr(config, attr)
     _STATE["configs"] = []
     _STATE["policy"] = None
+    _STATE["predict_memory"] = True
     _STATE["profiled"] = set()
 
 

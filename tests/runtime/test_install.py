@@ -56,6 +56,26 @@ def test_install_is_idempotent_and_uninstall_restores(model):
     assert not hasattr(cfg, glue._CONFIG_ATTR) and not glue.is_installed()
 
 
+def test_a_policy_switch_keeps_the_size_profiling_setting(model, batch):
+    """Policy evolution re-installs between iterations: that must not turn the per-layer size profile (an extra
+    layer forward, which shows in peak memory) back on, nor re-run it when it is on."""
+    cfg = model.config
+    try:
+        megatron_adacc.install("keep", config=cfg, predict_memory=False)
+        megatron_adacc.install(Policy.all_recompute(2), config=cfg)
+        assert glue._STATE["predict_memory"] is False
+        megatron_adacc.uninstall()
+        megatron_adacc.install("keep", config=cfg)
+        assert glue._STATE["predict_memory"] is True
+        loss_and_grads(model, batch)
+        profiled = set(glue._STATE["profiled"])
+        assert len(profiled) == 2
+        megatron_adacc.install(Policy.all_recompute(2), config=cfg)
+        assert glue._STATE["profiled"] == profiled
+    finally:
+        megatron_adacc.uninstall()
+
+
 def test_policy_none_leaves_megatron_untouched(model):
     original = _entry()
     assert megatron_adacc.install("none", config=model.config) is None
