@@ -66,6 +66,8 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log) ->
 
     device = _device(args)
     if device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None):
+        import megatron_adacc.codecs  # noqa: F401  (loads the codec extension, which training will hold too)
+
         # On the CPU the budget is peak RSS, which also counts the interpreter, torch and megatron-core. Kept on
         # args so that policy evolution re-solves against the same static memory.
         args.adacc_process_baseline_bytes = _resident_bytes()

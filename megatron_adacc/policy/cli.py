@@ -207,7 +207,9 @@ def render_profile(profile: LayerProfile) -> str:
                      _fmt_ms(best[1].compress_time_s + best[1].decompress_time_s) if best else "-"])
     head = (f"profile of {profile.device} ({profile.source}); signature {json.dumps(profile.signature)}\n"
             f"static {_fmt_bytes(profile.static_bytes)}, workspace {_fmt_bytes(profile.workspace_bytes)}, "
-            f"per-layer input {_fmt_bytes(profile.layer_fixed_bytes)}\n")
+            f"per-layer input {_fmt_bytes(profile.layer_fixed_bytes)}\n"
+            f"times below are micro-benchmarks; in the runtime the cost model scales codec times by "
+            f"{profile.codec_time_scale:.2f} and recompute times by {profile.recompute_time_scale:.2f}\n")
     return head + _table(rows, ["op", "smallest codec", "saved", "recompute", "crate", "c+dc time"])
 
 

@@ -9,7 +9,18 @@ Two cost models share one problem description:
   rematerialized on its own from the nearest stored input, so an op whose input was also dropped costs
   the whole segment before it (``sum_k segment_time(a, k)``).
 
-Memory is the same in both (eq. 7-8): M_static + M_workspace + N_layer x sum_i M_i x (CRate_i or 1 or 0).
+Memory is the same in both: eq. 7-8's M_static + N_layer x sum_i M_i x (CRate_i or 1 or 0), plus the
+transient peak on top of the stored activations, which the paper leaves out and which decides whether a
+tight budget really holds: the larger of
+
+* ``workspace_bytes``, the policy-independent transient (the logits and their gradient), and
+* the bytes one layer re-materializes in its backward (``remat_bytes``: each compressed op decompressed,
+  each recomputed op recomputed, while the earlier layers still hold what they stored). With different
+  policies per layer the largest of them counts.
+
+A keep-everything policy re-materializes nothing, so its peak is the stored activations alone; a policy
+that drops every tensor re-materializes a whole layer during that layer's backward, as Megatron's full
+recompute does.
 """
 
 from __future__ import annotations
@@ -36,6 +47,9 @@ class Choice:
     """Extra bytes when the op's output is the stored input of a recompute segment that follows it and
     is not saved for backward anyway (the runtime holds it). The paper's eq. 8 ignores it; the chain-aware
     model counts it."""
+    remat_bytes: float = 0.0
+    """Bytes this choice brings back during its layer's backward (M_i for compress and recompute, 0 for keep):
+    the transient peak of that layer's backward on top of what every layer stores."""
 
     @property
     def is_recompute(self) -> bool:
@@ -88,23 +102,33 @@ class Problem:
 
     @property
     def fixed_bytes(self) -> float:
-        """M_static plus the transient workspace and every layer's input: what the decisions must fit beside."""
-        return self.static_bytes + self.workspace_bytes + self.num_layers * self.layer_fixed_bytes
+        """M_static plus every layer's input: what the stored decisions must fit beside."""
+        return self.static_bytes + self.num_layers * self.layer_fixed_bytes
 
     def min_layer_memory(self) -> float:
         return sum(min(c.memory_bytes for c in cs) for cs in self.choices)
 
     def min_feasible_budget(self, *, stash: bool = False) -> int:
-        """The smallest budget any policy fits (every op at its least-memory choice, in every layer; with
-        ``stash``, the least-memory layer policy counting segment-input stashes)."""
+        """The smallest budget any policy fits: the least ``fixed + N x stored + transient`` over the
+        Pareto-optimal layer policies (with ``stash``, counting segment-input stashes). Mixing layer policies
+        cannot beat the best one used everywhere: its stored bytes are no larger than any mix's average and
+        its re-materialization no larger than the mix's largest."""
         import math
 
-        per_layer = self.min_layer_memory()
-        if stash:
-            from megatron_adacc.policy.pareto import pareto_front
+        from megatron_adacc.policy.pareto import pareto_front
 
-            per_layer = pareto_front(self, chain_aware=True)[0].memory_bytes
-        return int(math.ceil(self.fixed_bytes + self.num_layers * per_layer))
+        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.remat_bytes])
+                   for p in pareto_front(self, chain_aware=stash))
+        return int(math.ceil(self.fixed_bytes + best))
+
+    def transient_bytes(self, layer_remats: Sequence[float]) -> float:
+        """The transient peak on top of the stored activations: the workspace or the largest layer's
+        re-materialization, whichever is larger (they are not live at the same time)."""
+        return max([self.workspace_bytes, *layer_remats])
+
+    def layer_remat(self, picks: Sequence[int]) -> float:
+        """Bytes one layer with ``picks`` re-materializes in its backward."""
+        return sum(self.choices[i][k].remat_bytes for i, k in enumerate(picks))
 
     # ------------------------------------------------------------------------------- evaluating a layer
     def layer_memory(self, picks: Sequence[int], *, stash: bool = False) -> float:
@@ -157,7 +181,8 @@ class Problem:
         return cost
 
     def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
-        return self.fixed_bytes + sum(self.layer_memory(p, stash=stash) for p in layer_picks)
+        return (self.fixed_bytes + sum(self.layer_memory(p, stash=stash) for p in layer_picks)
+                + self.transient_bytes([self.layer_remat(p) for p in layer_picks]))
 
     def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
         return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)
@@ -181,6 +206,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
     """
     if codecs not in ("default", "all"):
         raise ValueError(f"codecs must be 'default' or 'all', got {codecs!r}")
+    cs_scale, rc_scale = profile.codec_time_scale, profile.recompute_time_scale
     choices: list[list[Choice]] = []
     for spec, op in zip(OPS, profile.ops):
         cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, float(op.stash_bytes.get("keep", 0)))]
@@ -193,10 +219,11 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
             cp = op.codecs[codec]
             params = (codec_params or {}).get(codec, {})
             cs.append(Choice(Decision.compress(codec, **params), float(cp.compressed_bytes),
-                             cp.compress_time_s + cp.decompress_time_s, cp.decompress_time_s,
-                             float(op.stash_bytes.get(codec, 0))))
+                             (cp.compress_time_s + cp.decompress_time_s) * cs_scale, cp.decompress_time_s * cs_scale,
+                             float(op.stash_bytes.get(codec, 0)), float(op.saved_bytes)))
         if spec.recomputable:
-            cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s))
+            cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s * rc_scale,
+                             remat_bytes=float(op.saved_bytes)))
         if allow is not None:
             cs = [c for c in cs if allow(spec.name, c.decision)]
         if not cs:
@@ -207,7 +234,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         num_layers=int(num_layers if num_layers is not None else profile.signature["num_layers"]),
         static_bytes=float(profile.static_bytes if static_bytes is None else static_bytes),
         budget_bytes=budget_bytes,
-        segment_time=profile.segment_time,
+        segment_time=profile.scaled_segment_time,
         workspace_bytes=float(profile.workspace_bytes),
         layer_fixed_bytes=float(profile.layer_fixed_bytes),
         rng_bytes=float(profile.rng_bytes),

@@ -4,6 +4,10 @@ A layer policy is a sequence of stored ops (kept or compressed) separated by rec
 DP state is "op j is stored with choice k": moving to the next stored op j' adds the segment j+1..j'-1
 and the choice at j'. Dominated partial policies are pruned at every state, which is exact because both
 memory and time are sums over the (segment, stored op) steps.
+
+Each point has three costs: the bytes the layer stores, the bytes it re-materializes in its backward (the
+transient of :mod:`megatron_adacc.policy.cost_model`) and the time. A point is dropped only when another is
+no worse in all three, so the smallest feasible budget and every uniform optimum are on the front.
 """
 
 from __future__ import annotations
@@ -16,25 +20,33 @@ from megatron_adacc.policy.cost_model import Problem
 @dataclass(frozen=True)
 class ParetoPoint:
     memory_bytes: float
+    """Bytes the layer stores for backward."""
     time_s: float
     picks: tuple[int, ...]
+    remat_bytes: float = 0.0
+    """Bytes the layer re-materializes in its backward."""
 
 
 def _prune(points: list[ParetoPoint]) -> list[ParetoPoint]:
-    """Keep the points no other point beats in both memory and time (ties: the first)."""
-    points.sort(key=lambda p: (p.memory_bytes, p.time_s))
+    """Keep the points no other point matches or beats in memory, re-materialization and time (ties: the
+    first), sorted by increasing memory."""
+    points.sort(key=lambda p: (p.memory_bytes, p.time_s, p.remat_bytes))
     out: list[ParetoPoint] = []
-    best = float("inf")
+    best_time = float("inf")
     for p in points:
-        if p.time_s < best:
+        if p.time_s < best_time:  # beats every point with less memory on time: not dominated
             out.append(p)
-            best = p.time_s
+            best_time = p.time_s
+        elif not any(q.time_s <= p.time_s and q.remat_bytes <= p.remat_bytes for q in out):
+            out.append(p)
     return out
 
 
 def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
-    """Every single-layer policy not dominated in (memory, time), sorted by increasing memory."""
+    """Every single-layer policy not dominated in (memory, re-materialization, time), by increasing memory."""
     n = problem.num_ops
+    point = ParetoPoint
+
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
 
     def segment(a: int, b: int, before_k: int, before_op: int) -> float:
@@ -45,7 +57,7 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     # states[j][k]: Pareto set of prefixes 0..j that store op j with choice k
     states: list[dict[int, list[ParetoPoint]]] = [dict() for _ in range(n)]
     for k, c in enumerate(problem.choices[0]):
-        states[0][k] = [ParetoPoint(c.memory_bytes, c.time_s, (k,))]
+        states[0][k] = [point(c.memory_bytes, c.time_s, (k,), c.remat_bytes)]
     final: list[ParetoPoint] = []
     for j in range(n):
         for k, prefix in states[j].items():
@@ -54,19 +66,20 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                 seg = (j + 1, nxt - 1)
                 seg_cost = segment(seg[0], seg[1], k, j) if nxt - 1 >= j + 1 else 0.0
                 seg_picks = tuple(rec[i] for i in range(j + 1, nxt))
+                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in range(j + 1, nxt))
                 stash = (problem.segment_memory(j + 1, nxt - 1, problem.choices[j][k])
                          if chain_aware and nxt > j + 1 else 0.0)
                 if nxt == n:
-                    final.extend(ParetoPoint(p.memory_bytes + stash, p.time_s + seg_cost, p.picks + seg_picks)
-                                 for p in prefix)
+                    final.extend(point(p.memory_bytes + stash, p.time_s + seg_cost, p.picks + seg_picks,
+                                       p.remat_bytes + seg_remat) for p in prefix)
                 else:
                     for k2, c2 in enumerate(problem.choices[nxt]):
                         if c2.is_recompute:
                             continue
                         bucket = states[nxt].setdefault(k2, [])
-                        bucket.extend(ParetoPoint(p.memory_bytes + stash + c2.memory_bytes,
-                                                  p.time_s + seg_cost + c2.time_s,
-                                                  p.picks + seg_picks + (k2,)) for p in prefix)
+                        bucket.extend(point(p.memory_bytes + stash + c2.memory_bytes,
+                                            p.time_s + seg_cost + c2.time_s, p.picks + seg_picks + (k2,),
+                                            p.remat_bytes + seg_remat + c2.remat_bytes) for p in prefix)
                 if nxt < n and rec[nxt] is None:
                     break
         if j + 1 < n:

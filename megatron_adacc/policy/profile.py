@@ -12,7 +12,9 @@ from typing import Any
 
 from megatron_adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+"""2: ``workspace_bytes`` is only the policy-independent transient (version 1 also counted one layer's
+activations, which the cost model now derives per policy)."""
 
 
 @dataclass
@@ -77,7 +79,8 @@ class LayerProfile:
     static_bytes: int = 0
     """M_static: parameters, gradients and optimizer states (and anything else not an activation)."""
     workspace_bytes: int = 0
-    """Transient memory on top of the stored activations at the peak (one layer's backward working set)."""
+    """Policy-independent transient memory on top of the stored activations at the peak (the logits and
+    their gradient); the bytes a layer re-materializes in backward are added per policy by the cost model."""
     layer_fixed_bytes: int = 0
     """Bytes every layer holds whatever its policy (its input, the checkpoint the runtime always keeps)."""
     rng_bytes: int = 0
@@ -89,6 +92,13 @@ class LayerProfile:
     """Fixed cost of launching one recompute segment (RNG restore, re-entry), used for unmeasured segments."""
     step_time_s: float | None = None
     """Measured time of one micro-batch forward + backward with every activation kept, if known."""
+    codec_time_scale: float = 1.0
+    """Measured / modeled overhead of compressing every op, from timing one layer's forward + backward under
+    the runtime (keep-all against compress-all). Per-op codec micro-benchmarks run on cache-hot tensors and
+    leave out the runtime's own work (pack hooks, mask packing, allocating outputs), so the cost model
+    scales every codec time by this."""
+    recompute_time_scale: float = 1.0
+    """The same calibration for recomputation (keep-all against recompute-all)."""
     source: str = "measured"
     """``measured`` (the profiler), ``analytic`` (shape formulas) or ``synthetic`` (tests)."""
     created_at: float = field(default_factory=time.time)
@@ -109,6 +119,10 @@ class LayerProfile:
             return self.segment_times_s[(a, b)]
         return sum(op.forward_time_s for op in self.ops[a:b + 1]) + self.segment_overhead_s
 
+    def scaled_segment_time(self, a: int, b: int) -> float:
+        """:meth:`segment_time` calibrated by :attr:`recompute_time_scale` (what the cost model uses)."""
+        return self.segment_time(a, b) * self.recompute_time_scale
+
     def to_json(self) -> dict[str, Any]:
         return {
             "profile_version": PROFILE_VERSION,
@@ -122,6 +136,8 @@ class LayerProfile:
             "segment_times_s": [[a, b, t] for (a, b), t in sorted(self.segment_times_s.items())],
             "segment_overhead_s": self.segment_overhead_s,
             "step_time_s": self.step_time_s,
+            "codec_time_scale": self.codec_time_scale,
+            "recompute_time_scale": self.recompute_time_scale,
             "source": self.source,
             "created_at": self.created_at,
             "meta": dict(self.meta),
@@ -141,6 +157,8 @@ class LayerProfile:
             segment_times_s={(int(a), int(b)): float(t) for a, b, t in obj.get("segment_times_s", [])},
             segment_overhead_s=float(obj.get("segment_overhead_s", 0.0)),
             step_time_s=obj.get("step_time_s"), source=obj.get("source", "measured"),
+            codec_time_scale=float(obj.get("codec_time_scale", 1.0)),
+            recompute_time_scale=float(obj.get("recompute_time_scale", 1.0)),
             created_at=float(obj.get("created_at", 0.0)), meta=dict(obj.get("meta", {})),
         )
 
@@ -214,5 +232,6 @@ def analytic_profile(sig: dict[str, Any], *, device: str = "analytic", flops_per
     if static_bytes is None:
         params = sig["num_layers"] * (4 * h * h + 2 * h * f + 9 * h + f)
         static_bytes = 16 * params  # fp32 params + grads + Adam m, v
+    vocab = int(sig.get("vocab_size", 0) or 0)
     return LayerProfile(device=device, signature=dict(sig), ops=ops, static_bytes=static_bytes,
-                        workspace_bytes=sum(op.saved_bytes for op in ops), source="analytic")
+                        workspace_bytes=2 * 4 * vocab * tok, source="analytic")

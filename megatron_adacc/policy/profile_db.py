@@ -14,7 +14,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from megatron_adacc.policy.profile import LayerProfile
+from megatron_adacc.policy.profile import PROFILE_VERSION, LayerProfile
 from megatron_adacc.policy.signature import signature_key
 
 ENV_VAR = "ADACC_PROFILE_DB"
@@ -68,7 +68,8 @@ class ProfileDB:
             return int(cur.lastrowid)
 
     def get(self, device: str, signature: dict[str, Any]) -> tuple[int, LayerProfile] | None:
-        """The newest profile for this device and signature, with its id, or None."""
+        """The newest profile for this device and signature, with its id, or None (also when the newest was
+        written by an older profile format, so that the caller profiles again)."""
         with closing(self._connect()) as con:
             row = con.execute(
                 "SELECT id, payload FROM profiles WHERE device = ? AND signature_key = ? "
@@ -76,7 +77,10 @@ class ProfileDB:
                 (device, signature_key(signature))).fetchone()
         if row is None:
             return None
-        return int(row[0]), LayerProfile.from_json(json.loads(row[1]))
+        payload = json.loads(row[1])
+        if payload.get("profile_version") != PROFILE_VERSION:
+            return None
+        return int(row[0]), LayerProfile.from_json(payload)
 
     def get_by_id(self, profile_id: int) -> LayerProfile:
         with closing(self._connect()) as con:

@@ -93,6 +93,48 @@ def _layer_inputs(model: torch.nn.Module, args: Any, device: torch.device):
     return gpt, hidden.detach(), mask, rope
 
 
+#: Calibration factors are clamped to this range: below it timing noise dominates, above it something is wrong
+#: enough (a loaded machine) that trusting it would make the MILP avoid a choice for no reason.
+_SCALE_RANGE = (0.5, 20.0)
+
+
+def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, sync) -> tuple[float, float, float]:
+    """Time one layer's forward + backward under the runtime with every op kept, compressed and recomputed;
+    return (codec scale, recompute scale, keep-all time): measured overhead over the sum the cost model would
+    predict from the per-op micro-benchmarks."""
+    from megatron.core.tensor_parallel.random import _fork_rng
+
+    from megatron_adacc.policy.policy import Policy
+    from megatron_adacc.runtime import checkpointed_layer_forward
+
+    def step(decisions) -> None:
+        x = hidden.detach().requires_grad_(True)
+        out = checkpointed_layer_forward(layer, decisions, x, mask, rope)
+        out.backward(torch.ones_like(out))
+        layer.zero_grad(set_to_none=True)
+
+    def timed(policy: Policy) -> float:
+        decisions = policy.layer_decisions(0)
+        with _fork_rng():
+            return _timed(lambda: step(decisions), max(3, repeats), sync)
+
+    keep = timed(Policy.all_keep(1))
+    quant = timed(Policy.quantize_all(1))
+    recompute = timed(Policy.preset("all-recompute", 1))
+    quant_policy = Policy.quantize_all(1).layer_decisions(0)
+    modeled_codec = sum(op.codecs[d.codec].compress_time_s + op.codecs[d.codec].decompress_time_s
+                        for op, d in ((op, quant_policy[op.name]) for op in op_profiles)
+                        if d.action == "compress" and d.codec in op.codecs)
+    n = len(fwd)
+    modeled_recompute = segments.get((1, n - 1), sum(fwd[1:]))
+    lo, hi = _SCALE_RANGE
+
+    def scale(measured: float, modeled: float) -> float:
+        return 1.0 if modeled <= 0 else min(hi, max(lo, measured / modeled))
+
+    return scale(quant - keep, modeled_codec), scale(recompute - keep, modeled_recompute), keep
+
+
 def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | str | None = None,
                   repeats: int = 3, max_segment_ops: int | None = None, log: Callable[[str], None] | None = None
                   ) -> LayerProfile:
@@ -201,14 +243,18 @@ def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | 
             codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}
         op_profiles.append(OpProfile(spec.name, int(s.saved_bytes), float(t), codecs, stash))
 
+    log("profile: calibrating codec and recompute times inside the runtime")
+    codec_scale, recompute_scale, keep_step = _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd,
+                                                         repeats, sync)
+    log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}")
+
     layer_params = sum(p.numel() for p in layer.parameters())
     model_params = sum(p.numel() for p in model.parameters())
     total_params = model_params + (signature["num_layers"] - 1) * layer_params
-    # One layer's backward re-materializes at most its whole activation set, plus the logits and their
-    # gradient (vocab x tokens, fp32) live at the start of backward.
+    # The policy-independent transient: the logits and their gradient (vocab x tokens, fp32), live around the
+    # loss. What a layer re-materializes in its backward depends on the policy; the cost model adds it.
     vocab = getattr(gpt, "vocab_size", 0) or 0
-    logits_bytes = 2 * 4 * vocab * args.seq_length * args.micro_batch_size
-    workspace = max(sum(op.saved_bytes for op in op_profiles), logits_bytes)
+    workspace = 2 * 4 * vocab * args.seq_length * args.micro_batch_size
     return LayerProfile(
         device=device_name(device), signature=signature, ops=op_profiles,
         static_bytes=int(total_params * static_bytes_per_param(args)),
@@ -217,6 +263,7 @@ def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | 
         rng_bytes=int(sizes.rng_bytes),
         segment_times_s=segments,
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
+        step_time_s=keep_step, codec_time_scale=codec_scale, recompute_time_scale=recompute_scale,
         source="measured",
         meta={"repeats": repeats, "total_params": int(total_params), "torch": torch.__version__},
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -17,9 +18,11 @@ SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_len
            dtype="float32", num_layers=12, megatron_core_version="0.16.1")
 
 
-def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False
-                   ) -> Problem:
-    """Up to 3 choices per op: keep, compress (maybe), recompute (not for op 0)."""
+def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False,
+                   remat: bool = False) -> Problem:
+    """Up to 3 choices per op: keep, compress (maybe), recompute (not for op 0). With ``remat``, compressed and
+    recomputed ops re-materialize their bytes in backward and there is a workspace, so the transient term
+    (the larger of the two) is part of every memory bound."""
     choices = []
     fwd = [rng.uniform(0.1, 5.0) for _ in range(n_ops)]
     for i in range(n_ops):
@@ -30,9 +33,9 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
         if i == 0 or rng.random() < 0.8:
             dc = rng.uniform(0.05, 2.0)
             cs.append(Choice(Decision.compress("int4_symmetric"), m * rng.uniform(0.1, 0.5),
-                             dc + rng.uniform(0.05, 2.0), dc, stash * 0.25))
+                             dc + rng.uniform(0.05, 2.0), dc, stash * 0.25, m if remat else 0.0))
         if i > 0:
-            cs.append(Choice(Decision.recompute(), 0.0, fwd[i]))
+            cs.append(Choice(Decision.recompute(), 0.0, fwd[i], remat_bytes=m if remat else 0.0))
         choices.append(cs)
     overhead = rng.uniform(0.0, 1.0)
     # a measured segment time that is neither additive nor monotone in the simple way
@@ -42,9 +45,10 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
     problem = Problem(choices=choices, num_layers=n_layers, static_bytes=10.0, budget_bytes=None,
                       segment_time=lambda a, b: seg[(a, b)], per_tensor=per_tensor,
                       rng_bytes=float(rng.randint(0, 20)),
-                      rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3))
+                      rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3),
+                      workspace_bytes=float(rng.randint(0, 150)) if remat else 0.0)
     lo = problem.min_feasible_budget(stash=True)
-    hi = problem.fixed_bytes + n_layers * sum(cs[0].memory_bytes for cs in choices)
+    hi = problem.total_memory([[0] * n_ops] * n_layers, stash=True)
     problem.budget_bytes = lo + frac * max(hi - lo, 0.0)
     return problem
 
@@ -61,6 +65,33 @@ def test_paper_and_chain_aware_equal_brute_force(seed: int) -> None:
         assert problem.total_memory(got.layer_picks, stash=chain) <= problem.budget_bytes + 1e-6
         # the reported time is the cost model's own evaluation of the decisions
         assert got.predicted_time_s == pytest.approx(problem.total_time(got.layer_picks, chain_aware=chain))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_transient_term_paper_and_chain_aware_equal_brute_force(seed: int) -> None:
+    """With re-materialization and a workspace, the two linear bounds are exactly max(workspace, remat)."""
+    rng = random.Random(300 + seed)
+    problem = random_problem(rng, n_ops=rng.randint(3, 7), n_layers=rng.randint(1, 6), frac=rng.random(),
+                             per_tensor=seed % 2 == 1, remat=True)
+    for strategy, chain in ((paper, False), (chain_aware, True)):
+        got = strategy.solve(problem)
+        want = brute_force.solve(problem, chain_aware=chain)
+        assert got.predicted_time_s == pytest.approx(want.predicted_time_s, rel=1e-6, abs=1e-9)
+        assert problem.total_memory(got.layer_picks, stash=chain) <= problem.budget_bytes + 1e-6
+    # heterogeneous layers never lose to the uniform chain-aware optimum, and fit
+    het = heterogeneous.solve(problem, chain_aware=True)
+    assert het.predicted_time_s <= chain_aware.solve(problem).predicted_time_s * (1 + 1e-9) + 1e-12
+    assert het.predicted_memory_bytes <= problem.budget_bytes + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_min_feasible_budget_is_the_least_memory_of_any_policy(seed: int) -> None:
+    rng = random.Random(400 + seed)
+    problem = random_problem(rng, n_ops=rng.randint(2, 6), n_layers=rng.randint(1, 5), frac=0.0, remat=True)
+    for stash in (False, True):
+        least = min(problem.total_memory([p] * problem.num_layers, stash=stash)
+                    for p in itertools.product(*(range(len(cs)) for cs in problem.choices)))
+        assert problem.min_feasible_budget(stash=stash) == math.ceil(least)
 
 
 def brute_force_heterogeneous(problem: Problem, chain_aware: bool) -> float:

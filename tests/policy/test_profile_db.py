@@ -35,6 +35,22 @@ def test_round_trip_and_keying(tmp_path) -> None:
         db.get_by_id(999)
 
 
+def test_a_profile_of_an_older_format_is_not_reused(tmp_path) -> None:
+    """A stored profile whose format predates this code reads as missing, so `auto` profiles again instead of
+    solving with figures that mean something else."""
+    import json
+    import sqlite3
+
+    db = ProfileDB(tmp_path / "p.sqlite")
+    pid = db.put(analytic_profile(SIG, device="cpu:test"))
+    assert db.get("cpu:test", SIG) is not None
+    with sqlite3.connect(db.path) as con:
+        payload = json.loads(con.execute("SELECT payload FROM profiles WHERE id = ?", (pid,)).fetchone()[0])
+        payload["profile_version"] = 1
+        con.execute("UPDATE profiles SET payload = ? WHERE id = ?", (json.dumps(payload), pid))
+    assert db.get("cpu:test", SIG) is None
+
+
 def test_default_path_env_and_flag(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "env.sqlite"))
     assert default_db_path() == tmp_path / "env.sqlite"

@@ -50,6 +50,9 @@ def test_profile_measures_every_op(env) -> None:
     want = get_codec("int4_asymmetric").compressed_nbytes((2, 4, 32, 32), torch.float32)
     assert sm.codecs["int4_asymmetric"].compressed_bytes == want
     assert profile.static_bytes == 16 * profile.meta["total_params"]
+    # the runtime calibration ran: a keep-all step time and scale factors inside their clamp range
+    assert profile.step_time_s and profile.step_time_s > 0
+    assert 0.5 <= profile.codec_time_scale <= 20 and 0.5 <= profile.recompute_time_scale <= 20
 
 
 def test_predicted_layer_bytes_match_the_runtime(env) -> None:

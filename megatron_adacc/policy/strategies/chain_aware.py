@@ -25,12 +25,13 @@ NAME = "chain_aware"
 SOURCE, SINK = "source", "sink"
 
 
-def _edges(problem: Problem) -> list[tuple[object, object, float, float, tuple[int, ...]]]:
-    """(tail, head, time, memory, picks of the ops entered) for every edge of the policy graph."""
+def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, tuple[int, ...]]]:
+    """(tail, head, time, memory, re-materialized bytes, picks of the ops entered) for every edge of the
+    policy graph."""
     n = problem.num_ops
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
-    edges = [(SOURCE, (0, k), c.time_s, c.memory_bytes, (k,)) for k, c in enumerate(problem.choices[0])
-             if not c.is_recompute]
+    edges = [(SOURCE, (0, k), c.time_s, c.memory_bytes, c.remat_bytes, (k,))
+             for k, c in enumerate(problem.choices[0]) if not c.is_recompute]
     for j in range(n):
         for k, before in enumerate(problem.choices[j]):
             if before.is_recompute:
@@ -38,14 +39,15 @@ def _edges(problem: Problem) -> list[tuple[object, object, float, float, tuple[i
             for nxt in range(j + 1, n + 1):
                 seg = problem.segment_cost(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
                 seg_picks = tuple(rec[i] for i in range(j + 1, nxt))
+                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in range(j + 1, nxt))
                 stash = problem.segment_memory(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
                 if nxt == n:
-                    edges.append(((j, k), SINK, seg, stash, seg_picks))
+                    edges.append(((j, k), SINK, seg, stash, seg_remat, seg_picks))
                 else:
                     for k2, c2 in enumerate(problem.choices[nxt]):
                         if not c2.is_recompute:
                             edges.append(((j, k), (nxt, k2), seg + c2.time_s, c2.memory_bytes + stash,
-                                          seg_picks + (k2,)))
+                                          seg_remat + c2.remat_bytes, seg_picks + (k2,)))
                 if nxt < n and rec[nxt] is None:
                     break
     return edges
@@ -58,9 +60,9 @@ def solve(problem: Problem) -> SolveResult:
     edges = _edges(problem)
     prob = pulp.LpProblem("adacc_chain_aware", pulp.LpMinimize)
     e = [prob.add_variable(f"e_{i}", cat="Binary") for i in range(len(edges))]
-    prob += pulp.lpSum(t * MS * v for (_, _, t, _, _), v in zip(edges, e))
+    prob += pulp.lpSum(t * MS * v for (_, _, t, _, _, _), v in zip(edges, e))
     out_of, into = defaultdict(list), defaultdict(list)
-    for (tail, head, _, _, _), v in zip(edges, e):
+    for (tail, head, _, _, _, _), v in zip(edges, e):
         out_of[tail].append(v)
         into[head].append(v)
     prob += pulp.lpSum(out_of[SOURCE]) == 1, "source"
@@ -69,12 +71,14 @@ def solve(problem: Problem) -> SolveResult:
         if node not in (SOURCE, SINK):
             prob += pulp.lpSum(into[node]) == pulp.lpSum(out_of[node]), f"flow_{node[0]}_{node[1]}"
     if room is not None:
-        prob += (problem.num_layers * pulp.lpSum(m / unit * v for (_, _, _, m, _), v in zip(edges, e))
-                 <= room / unit), "memory"
+        stored = problem.num_layers * pulp.lpSum(m / unit * v for (_, _, _, m, _, _), v in zip(edges, e))
+        remat = pulp.lpSum(r / unit * v for (_, _, _, _, r, _), v in zip(edges, e))
+        prob += stored + problem.workspace_bytes / unit <= room / unit, "memory"
+        prob += stored + remat <= room / unit, "memory_backward"
     status = run_cbc(prob)
     picks: list[int] = []
     if status == "Optimal":
-        chosen = {tail: (head, p) for (tail, head, _, _, p), v in zip(edges, e) if (v.value() or 0) > 0.5}
+        chosen = {tail: (head, p) for (tail, head, _, _, _, p), v in zip(edges, e) if (v.value() or 0) > 0.5}
         node = SOURCE
         while node != SINK:
             node, p = chosen[node]

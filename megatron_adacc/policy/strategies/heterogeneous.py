@@ -2,7 +2,8 @@
 
 A budget between two uniform policies is met by giving some layers the cheaper, larger policy and the
 rest a leaner one. Layers are identical, so only the number of layers per Pareto policy matters: integer
-``n_p >= 0`` with ``sum n_p = N_layer``, ``M_fixed + sum n_p M_p <= budget``, minimize ``sum n_p T_p``.
+``n_p >= 0`` with ``sum n_p = N_layer``, ``M_fixed + sum n_p M_p + max(W, max_{n_p > 0} R_p) <= budget``
+(R_p: the bytes policy p re-materializes in backward, W: the workspace), minimize ``sum n_p T_p``.
 Any uniform policy is dominated by a Pareto point used in every layer, so this is never worse than the
 uniform optimum under the same cost model.
 
@@ -12,8 +13,10 @@ That integer program is a cardinality-constrained knapsack whose optimality proo
 1. every mix of at most two Pareto policies, exactly and in closed form (for a leaner policy p and a
    richer q, the most q-layers that fit); the LP relaxation's optimum is such a mix, so this is the
    rounding of the relaxation and already contains every uniform policy;
-2. the full MILP in CBC, warm-started from step 1, within ``time_limit_s``; its answer replaces step 1's
-   when it is better. ``status`` is ``Optimal`` when CBC proved optimality, else ``Feasible``.
+2. the MILP in CBC over the policies that re-materialize no more than step 1's answer does (so the transient
+   term is a constant), warm-started from step 1, within ``time_limit_s``; its answer replaces step 1's
+   when it is better. ``status`` is ``Optimal`` when CBC proved optimality and that restriction excluded
+   no policy, else ``Feasible``.
 """
 
 from __future__ import annotations
@@ -31,25 +34,36 @@ NAME = "heterogeneous"
 DEFAULT_TIME_LIMIT_S = 0.15
 
 
-def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float | None) -> list[int]:
-    """Layer counts per Pareto point of the best mix of at most two points that fits ``room`` bytes."""
+def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float | None,
+                        workspace_bytes: float = 0.0) -> list[int]:
+    """Layer counts per Pareto point of the best mix of at most two points that fits ``room`` bytes (the
+    budget less the fixed bytes)."""
     M = np.array([p.memory_bytes for p in front])
+    R = np.array([p.remat_bytes for p in front])
     T = np.array([p.time_s for p in front])
     L = num_layers
     counts = [0] * len(front)
     if room is None:  # unbounded: the fastest point everywhere
         counts[int(np.argmin(T))] = L
         return counts
+    # every point alone
+    alone = np.where(L * M + np.maximum(workspace_bytes, R) <= room, L * T, np.inf)
+    # lean point i in L - m layers and rich point j in 1 <= m < L layers: both re-materializations count
     lean_m, rich_m = M[:, None], M[None, :]
+    avail = room - np.maximum(workspace_bytes, np.maximum(R[:, None], R[None, :]))
     with np.errstate(divide="ignore", invalid="ignore"):
-        m = np.floor((room - L * lean_m) / (rich_m - lean_m))
-    m = np.where(rich_m > lean_m, np.clip(m, 0, L), 0.0)
-    total = np.where(L * lean_m <= room, (L - m) * T[:, None] + m * T[None, :], np.inf)
-    i, j = np.unravel_index(int(np.argmin(total)), total.shape)
-    if not np.isfinite(total[i, j]):
+        m = np.floor((avail - L * lean_m) / (rich_m - lean_m))
+    m = np.where(rich_m > lean_m, np.clip(m, 0, L - 1), 0.0)
+    pair = np.where((m >= 1) & (L * lean_m <= avail), (L - m) * T[:, None] + m * T[None, :], np.inf)
+    i, j = np.unravel_index(int(np.argmin(pair)), pair.shape)
+    a = int(np.argmin(alone))
+    if not np.isfinite(pair[i, j]) and not np.isfinite(alone[a]):
         return []
-    counts[i] += L - int(m[i, j])
-    counts[j] += int(m[i, j])
+    if alone[a] <= pair[i, j]:
+        counts[a] = L
+    else:
+        counts[i] += L - int(m[i, j])
+        counts[j] += int(m[i, j])
     return counts
 
 
@@ -61,23 +75,30 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
     unit = memory_unit(room)
     front = pareto_front(problem, chain_aware=chain_aware)
     L = problem.num_layers
-    counts = best_two_policy_mix(front, L, room)
+    W = problem.workspace_bytes
+    counts = best_two_policy_mix(front, L, room, W)
     status = "Optimal" if counts else "Infeasible"
     proven = False
     if counts and len(front) > 2 and room is not None:
         prob = pulp.LpProblem("adacc_heterogeneous", pulp.LpMinimize)
-        n = [prob.add_variable(f"n_{p}", lowBound=0, upBound=L, cat="Integer") for p in range(len(front))]
+        # The transient is fixed at step 1's (the largest re-materialization among its policies, or the
+        # workspace): only policies that re-materialize no more are offered, so the bound stays a plain
+        # knapsack (a binary per policy to track the largest one used makes the relaxation too weak to help).
+        peak = max([W] + [pt.remat_bytes for pt, c in zip(front, counts) if c])
+        n = [prob.add_variable(f"n_{p}", lowBound=0, upBound=L if pt.remat_bytes <= peak else 0, cat="Integer")
+             for p, pt in enumerate(front)]
         prob += pulp.lpSum(pt.time_s * MS * v for pt, v in zip(front, n))
         prob += pulp.lpSum(n) == L, "every_layer_one_policy"
-        prob += pulp.lpSum(pt.memory_bytes / unit * v for pt, v in zip(front, n)) <= room / unit, "memory"
+        prob += (pulp.lpSum(pt.memory_bytes / unit * v for pt, v in zip(front, n)) <= (room - peak) / unit,
+                 "memory")
         for v, c in zip(n, counts):
             v.setInitialValue(c)
         prob.solve(cbc(warmStart=True, timeLimit=time_limit_s))
         if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            proven = prob.sol_status == pulp.LpSolutionOptimal
+            proven = prob.sol_status == pulp.LpSolutionOptimal and all(pt.remat_bytes <= peak for pt in front)
             milp = [int(round(v.value() or 0)) for v in n]
             if sum(milp) == L and _time(front, milp) < _time(front, counts) - 1e-12 and \
-                    problem.fixed_bytes + _memory(front, milp) <= problem.budget_bytes:
+                    _memory(front, milp, W) <= room:
                 counts = milp
     elif counts:
         proven = True  # two or fewer Pareto points (or no bound): the two-policy search is exhaustive
@@ -97,5 +118,7 @@ def _time(front: list[ParetoPoint], counts: list[int]) -> float:
     return sum(c * p.time_s for c, p in zip(counts, front))
 
 
-def _memory(front: list[ParetoPoint], counts: list[int]) -> float:
-    return sum(c * p.memory_bytes for c, p in zip(counts, front))
+def _memory(front: list[ParetoPoint], counts: list[int], workspace_bytes: float) -> float:
+    """Bytes above the fixed ones: every layer's stored bytes and the transient peak."""
+    return (sum(c * p.memory_bytes for c, p in zip(counts, front))
+            + max([workspace_bytes] + [p.remat_bytes for c, p in zip(counts, front) if c]))

@@ -34,8 +34,12 @@ def solve(problem: Problem) -> SolveResult:
         prob += pulp.lpSum(row) == 1, f"eq5_one_choice_{i}"
     # eq. 6 (R_{1,0} = 0): the problem offers the first op no recompute choice (checked by Problem).
     if room is not None:
-        prob += (problem.num_layers * pulp.lpSum(c.memory_bytes / unit * x[i][k]
+        stored = problem.num_layers * pulp.lpSum(c.memory_bytes / unit * x[i][k]
                                                  for i, cs in enumerate(problem.choices) for k, c in enumerate(cs))
-                 <= room / unit), "eq7_eq8_memory"
+        remat = pulp.lpSum(c.remat_bytes / unit * x[i][k] for i, cs in enumerate(problem.choices)
+                           for k, c in enumerate(cs))
+        # eq. 7-8, with the transient peak: max(workspace, one layer's re-materialization) as two bounds
+        prob += stored + problem.workspace_bytes / unit <= room / unit, "eq7_eq8_memory"
+        prob += stored + remat <= room / unit, "eq7_eq8_memory_backward"
     status = run_cbc(prob)
     return finish_uniform(problem, NAME, picked(x) if status == "Optimal" else [], status, t0, chain_aware=False)
