@@ -6,10 +6,12 @@ full uniform / block with every ``--recompute-num-layers``), ``megatron_full`` a
 (every activation INT4), plus the MILP's solve times for the paper's and the improved formulations.
 
 Budgets are peak-memory figures of the same kind the runs measure (peak RSS on CPU, max allocated on CUDA).
-The MILP works with its own memory model (static + workspace + activations); the constant difference
-between a measured peak and the model, taken from the no-recompute run (the process's own footprint: Python,
-libraries, allocator), is subtracted from each budget before solving. Time comes from default-allocator
-runs, peak memory from low-fragmentation runs (see bench/common.py).
+The MILP works with its own memory model (static + activations + the transient peak); the constant
+difference between a measured peak and the model (the process's own footprint: Python, libraries, the codec
+extension, allocator) is taken from a run of Adacc's runtime with every activation kept (``adacc_keep_all``,
+which the model predicts exactly: nothing is compressed or re-materialized) and subtracted from each budget
+before solving. Time comes from default-allocator runs, peak memory from low-fragmentation runs (see
+bench/common.py).
 """
 
 from __future__ import annotations
@@ -111,12 +113,15 @@ def run(args) -> dict:
     qpath = save_policy(Policy.quantize_all(L), workdir / "quantize_all.json")
     print("running adacc_quantize_all ...", flush=True)
     measured["adacc_quantize_all"] = _clean(train_method(base + ["--adacc-policy", str(qpath)]))
+    kpath = save_policy(Policy.all_keep(L), workdir / "keep_all.json")
+    print("running adacc_keep_all ...", flush=True)
+    measured["adacc_keep_all"] = _clean(train_method(base + ["--adacc-policy", str(kpath)]))
 
     # 2. budgets between the two measured extremes, and the model-to-measurement offset
     full_name = "megatron_full_uniform_1"
     p_none, p_full = measured["megatron_none"]["peak_memory_bytes"], measured[full_name]["peak_memory_bytes"]
     keep_model = evaluate_policy(profile, Policy.all_keep(L))["memory_bytes"]
-    offset = p_none - keep_model
+    offset = measured["adacc_keep_all"]["peak_memory_bytes"] - keep_model
     budgets = [int(p_none - i * (p_none - p_full) / (n_budgets - 1)) for i in range(n_budgets)]
     sig = model_signature(tconfig, targs)
     options = SolveOptions()
