@@ -14,9 +14,11 @@ transient peak on top of the stored activations, which the paper leaves out and 
 tight budget really holds: the larger of
 
 * ``workspace_bytes``, the policy-independent transient (the logits and their gradient), and
-* the bytes one layer re-materializes in its backward (``remat_bytes``: each compressed op decompressed,
-  each recomputed op recomputed, while the earlier layers still hold what they stored). With different
-  policies per layer the largest of them counts.
+* the bytes one layer re-materializes in its backward while the earlier layers still hold what they
+  stored: every recomputed op (a segment is re-run as a whole and its values die as backward consumes
+  them; counting all of them is the safe side) plus the largest decompressed op (compressed tensors are
+  decompressed when their op's backward needs them and freed after it, one op at a time). With different
+  policies per layer the largest layer counts.
 
 A keep-everything policy re-materializes nothing, so its peak is the stored activations alone; a policy
 that drops every tensor re-materializes a whole layer during that layer's backward, as Megatron's full
@@ -48,8 +50,8 @@ class Choice:
     is not saved for backward anyway (the runtime holds it). The paper's eq. 8 ignores it; the chain-aware
     model counts it."""
     remat_bytes: float = 0.0
-    """Bytes this choice brings back during its layer's backward (M_i for compress and recompute, 0 for keep):
-    the transient peak of that layer's backward on top of what every layer stores."""
+    """Bytes this choice brings back during its layer's backward (M_i for compress and recompute, 0 for keep).
+    A layer's re-materialization is the sum over its recompute choices plus the largest compress choice."""
 
     @property
     def is_recompute(self) -> bool:
@@ -127,8 +129,11 @@ class Problem:
         return max([self.workspace_bytes, *layer_remats])
 
     def layer_remat(self, picks: Sequence[int]) -> float:
-        """Bytes one layer with ``picks`` re-materializes in its backward."""
-        return sum(self.choices[i][k].remat_bytes for i, k in enumerate(picks))
+        """Bytes one layer with ``picks`` re-materializes in its backward: every recomputed op and the
+        largest decompressed one."""
+        chosen = [self.choices[i][k] for i, k in enumerate(picks)]
+        return (sum(c.remat_bytes for c in chosen if c.is_recompute)
+                + max([0.0] + [c.remat_bytes for c in chosen if not c.is_recompute]))
 
     # ------------------------------------------------------------------------------- evaluating a layer
     def layer_memory(self, picks: Sequence[int], *, stash: bool = False) -> float:

@@ -12,6 +12,7 @@ no worse in all three, so the smallest feasible budget and every uniform optimum
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from megatron_adacc.policy.cost_model import Problem
@@ -23,30 +24,68 @@ class ParetoPoint:
     """Bytes the layer stores for backward."""
     time_s: float
     picks: tuple[int, ...]
-    remat_bytes: float = 0.0
-    """Bytes the layer re-materializes in its backward."""
+    recompute_bytes: float = 0.0
+    """Bytes of the layer's recomputed ops (summed: see :meth:`Problem.layer_remat`)."""
+    decompress_bytes: float = 0.0
+    """Bytes of the layer's largest compressed op."""
+
+    @property
+    def remat_bytes(self) -> float:
+        """Bytes the layer re-materializes in its backward."""
+        return self.recompute_bytes + self.decompress_bytes
 
 
-def _prune(points: list[ParetoPoint]) -> list[ParetoPoint]:
-    """Keep the points no other point matches or beats in memory, re-materialization and time (ties: the
-    first), sorted by increasing memory."""
-    points.sort(key=lambda p: (p.memory_bytes, p.time_s, p.remat_bytes))
+def _prune(points: list[ParetoPoint], cost) -> list[ParetoPoint]:
+    """Keep the points no other point matches or beats in memory, time and ``cost(point)`` (ties: the first),
+    sorted by increasing memory.
+
+    Sorted by memory, a point can only be dominated by an earlier one that is no slower and no worse on
+    ``cost``; the earlier kept points are summarized by their (time, cost) staircase, so each check is a
+    binary search.
+    """
+    points.sort(key=lambda p: (p.memory_bytes, p.time_s, cost(p)))
+    stair_t: list[float] = []  # increasing time ...
+    stair_c: list[float] = []  # ... strictly decreasing cost
     out: list[ParetoPoint] = []
-    best_time = float("inf")
     for p in points:
-        if p.time_s < best_time:  # beats every point with less memory on time: not dominated
-            out.append(p)
-            best_time = p.time_s
-        elif not any(q.time_s <= p.time_s and q.remat_bytes <= p.remat_bytes for q in out):
-            out.append(p)
+        t, c = p.time_s, cost(p)
+        i = bisect.bisect_right(stair_t, t)
+        if i and stair_c[i - 1] <= c:  # the cheapest earlier point at least as fast is no costlier
+            continue
+        out.append(p)
+        j = i
+        while j < len(stair_t) and stair_c[j] >= c:  # staircase points p now covers
+            j += 1
+        stair_t[i:j] = [t]
+        stair_c[i:j] = [c]
     return out
 
 
-def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
-    """Every single-layer policy not dominated in (memory, re-materialization, time), by increasing memory."""
-    n = problem.num_ops
-    point = ParetoPoint
+def _recompute_cost(p: ParetoPoint) -> float:
+    return p.recompute_bytes
 
+
+def _remat_cost(p: ParetoPoint) -> float:
+    return p.remat_bytes
+
+
+def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
+    """Every single-layer policy not dominated in (memory, re-materialization, time), by increasing memory.
+
+    A layer re-materializes the sum of its recomputed ops plus its largest compressed op (a max, which does
+    not extend additively from a prefix). So the DP runs once per cap on the largest compressed op, offering
+    only compress choices within the cap; inside one run prefixes compare on (memory, time, recomputed
+    bytes), which is exact, and the union of the runs is pruned on the full re-materialization.
+    """
+    caps = sorted({c.remat_bytes for cs in problem.choices for c in cs if not c.is_recompute})
+    points: list[ParetoPoint] = []
+    for cap in caps:
+        points.extend(_front_capped(problem, chain_aware, cap))
+    return _prune(points, _remat_cost)
+
+
+def _front_capped(problem: Problem, chain_aware: bool, cap: float) -> list[ParetoPoint]:
+    n = problem.num_ops
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
 
     def segment(a: int, b: int, before_k: int, before_op: int) -> float:
@@ -57,7 +96,8 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     # states[j][k]: Pareto set of prefixes 0..j that store op j with choice k
     states: list[dict[int, list[ParetoPoint]]] = [dict() for _ in range(n)]
     for k, c in enumerate(problem.choices[0]):
-        states[0][k] = [point(c.memory_bytes, c.time_s, (k,), c.remat_bytes)]
+        if not c.is_recompute and c.remat_bytes <= cap:
+            states[0][k] = [ParetoPoint(c.memory_bytes, c.time_s, (k,), 0.0, c.remat_bytes)]
     final: list[ParetoPoint] = []
     for j in range(n):
         for k, prefix in states[j].items():
@@ -70,19 +110,20 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                 stash = (problem.segment_memory(j + 1, nxt - 1, problem.choices[j][k])
                          if chain_aware and nxt > j + 1 else 0.0)
                 if nxt == n:
-                    final.extend(point(p.memory_bytes + stash, p.time_s + seg_cost, p.picks + seg_picks,
-                                       p.remat_bytes + seg_remat) for p in prefix)
+                    final.extend(ParetoPoint(p.memory_bytes + stash, p.time_s + seg_cost, p.picks + seg_picks,
+                                             p.recompute_bytes + seg_remat, p.decompress_bytes) for p in prefix)
                 else:
                     for k2, c2 in enumerate(problem.choices[nxt]):
-                        if c2.is_recompute:
+                        if c2.is_recompute or c2.remat_bytes > cap:
                             continue
                         bucket = states[nxt].setdefault(k2, [])
-                        bucket.extend(point(p.memory_bytes + stash + c2.memory_bytes,
-                                            p.time_s + seg_cost + c2.time_s, p.picks + seg_picks + (k2,),
-                                            p.remat_bytes + seg_remat + c2.remat_bytes) for p in prefix)
+                        bucket.extend(ParetoPoint(p.memory_bytes + stash + c2.memory_bytes,
+                                                  p.time_s + seg_cost + c2.time_s, p.picks + seg_picks + (k2,),
+                                                  p.recompute_bytes + seg_remat,
+                                                  max(p.decompress_bytes, c2.remat_bytes)) for p in prefix)
                 if nxt < n and rec[nxt] is None:
                     break
         if j + 1 < n:
             for k2 in states[j + 1]:
-                states[j + 1][k2] = _prune(states[j + 1][k2])
-    return _prune(final)
+                states[j + 1][k2] = _prune(states[j + 1][k2], _recompute_cost)
+    return _prune(final, _remat_cost)

@@ -69,10 +69,39 @@ def check_budget(problem: Problem, *, stash: bool = False) -> float | None:
     """The bytes available to activations, or None when unbounded; raises when nothing fits."""
     if problem.budget_bytes is None:
         return None
-    need = problem.min_feasible_budget(stash=stash)
-    if problem.budget_bytes < need - 0.5:
-        raise InfeasibleBudgetError(problem.budget_bytes, need)
+    # A cheap lower bound first (every op at its least-memory choice, no transient); the exact smallest budget
+    # needs the Pareto front, so it is computed only to name it in the error (here or when the solver finds
+    # nothing).
+    if problem.budget_bytes < problem.fixed_bytes + problem.num_layers * problem.min_layer_memory() - 0.5:
+        raise InfeasibleBudgetError(problem.budget_bytes, problem.min_feasible_budget(stash=stash))
     return problem.budget_bytes - problem.fixed_bytes
+
+
+def decompress_caps(problem: Problem, room: float | None) -> list[float | None]:
+    """The values the largest decompressed op of a layer can take: 0 and each compress choice's size.
+
+    The backward bound holds the largest decompressed op, a max. Modeled with a continuous variable above every
+    compress choice the LP relaxation is too weak (CBC took seconds on a 96-layer model); instead the MILP is
+    solved once per cap with the compress choices above it removed and the cap as a constant, and the best
+    answer wins. A layer has only a handful of distinct tensor sizes, so there are few caps. With no budget
+    there is nothing to cap (``[None]``).
+    """
+    if room is None:
+        return [None]
+    sizes = {c.remat_bytes for cs in problem.choices for c in cs if not c.is_recompute}
+    return sorted(sizes | {0.0})
+
+
+def best_over_caps(problem: Problem, room: float | None, solve_capped, *, chain_aware: bool) -> list[int] | None:
+    """The fastest of ``solve_capped(cap)`` (picks or None) over :func:`decompress_caps`; None if none fits."""
+    best: tuple[float, list[int]] | None = None
+    for cap in decompress_caps(problem, room):
+        picks = solve_capped(cap)
+        if picks is not None:
+            t = problem.layer_time(picks, chain_aware=chain_aware)
+            if best is None or t < best[0]:
+                best = (t, picks)
+    return best[1] if best else None
 
 
 def run_cbc(prob: pulp.LpProblem) -> str:

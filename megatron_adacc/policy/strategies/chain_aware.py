@@ -19,18 +19,26 @@ from collections import defaultdict
 import pulp
 
 from megatron_adacc.policy.cost_model import Problem
-from megatron_adacc.policy.strategies.base import MS, SolveResult, check_budget, finish_uniform, memory_unit, run_cbc
+from megatron_adacc.policy.strategies.base import (
+    MS,
+    SolveResult,
+    check_budget,
+    best_over_caps,
+    finish_uniform,
+    memory_unit,
+    run_cbc,
+)
 
 NAME = "chain_aware"
 SOURCE, SINK = "source", "sink"
 
 
-def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, tuple[int, ...]]]:
-    """(tail, head, time, memory, re-materialized bytes, picks of the ops entered) for every edge of the
-    policy graph."""
+def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, float, tuple[int, ...]]]:
+    """(tail, head, time, memory, recomputed bytes, decompressed bytes of the stored op entered, picks of
+    the ops entered) for every edge of the policy graph."""
     n = problem.num_ops
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
-    edges = [(SOURCE, (0, k), c.time_s, c.memory_bytes, c.remat_bytes, (k,))
+    edges = [(SOURCE, (0, k), c.time_s, c.memory_bytes, 0.0, c.remat_bytes, (k,))
              for k, c in enumerate(problem.choices[0]) if not c.is_recompute]
     for j in range(n):
         for k, before in enumerate(problem.choices[j]):
@@ -42,12 +50,12 @@ def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, 
                 seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in range(j + 1, nxt))
                 stash = problem.segment_memory(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
                 if nxt == n:
-                    edges.append(((j, k), SINK, seg, stash, seg_remat, seg_picks))
+                    edges.append(((j, k), SINK, seg, stash, seg_remat, 0.0, seg_picks))
                 else:
                     for k2, c2 in enumerate(problem.choices[nxt]):
                         if not c2.is_recompute:
                             edges.append(((j, k), (nxt, k2), seg + c2.time_s, c2.memory_bytes + stash,
-                                          seg_remat + c2.remat_bytes, seg_picks + (k2,)))
+                                          seg_remat, c2.remat_bytes, seg_picks + (k2,)))
                 if nxt < n and rec[nxt] is None:
                     break
     return edges
@@ -56,31 +64,41 @@ def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, 
 def solve(problem: Problem) -> SolveResult:
     t0 = time.perf_counter()
     room = check_budget(problem, stash=True)
-    unit = memory_unit(room)
     edges = _edges(problem)
+    picks = best_over_caps(problem, room, lambda cap: _solve_capped(problem, edges, room, cap), chain_aware=True)
+    return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=True)
+
+
+def _solve_capped(problem: Problem, edges: list, room: float | None, cap: float | None) -> list[int] | None:
+    """The flow MILP with no stored op compressed above ``cap`` bytes (see ``decompress_caps``)."""
+    unit = memory_unit(room)
+    if cap is not None:
+        edges = [edge for edge in edges if edge[5] <= cap]
     prob = pulp.LpProblem("adacc_chain_aware", pulp.LpMinimize)
     e = [prob.add_variable(f"e_{i}", cat="Binary") for i in range(len(edges))]
-    prob += pulp.lpSum(t * MS * v for (_, _, t, _, _, _), v in zip(edges, e))
+    prob += pulp.lpSum(t * MS * v for (_, _, t, _, _, _, _), v in zip(edges, e))
     out_of, into = defaultdict(list), defaultdict(list)
-    for (tail, head, _, _, _, _), v in zip(edges, e):
+    for (tail, head, _, _, _, _, _), v in zip(edges, e):
         out_of[tail].append(v)
         into[head].append(v)
+    if not out_of[SOURCE] or not into[SINK]:
+        return None
     prob += pulp.lpSum(out_of[SOURCE]) == 1, "source"
     prob += pulp.lpSum(into[SINK]) == 1, "sink"
     for node in set(out_of) | set(into):
         if node not in (SOURCE, SINK):
             prob += pulp.lpSum(into[node]) == pulp.lpSum(out_of[node]), f"flow_{node[0]}_{node[1]}"
     if room is not None:
-        stored = problem.num_layers * pulp.lpSum(m / unit * v for (_, _, _, m, _, _), v in zip(edges, e))
-        remat = pulp.lpSum(r / unit * v for (_, _, _, _, r, _), v in zip(edges, e))
+        stored = problem.num_layers * pulp.lpSum(m / unit * v for (_, _, _, m, _, _, _), v in zip(edges, e))
+        recomputed = pulp.lpSum(r / unit * v for (_, _, _, _, r, _, _), v in zip(edges, e))
         prob += stored + problem.workspace_bytes / unit <= room / unit, "memory"
-        prob += stored + remat <= room / unit, "memory_backward"
-    status = run_cbc(prob)
+        prob += stored + recomputed <= (room - cap) / unit, "memory_backward"
+    if run_cbc(prob) != "Optimal":
+        return None
+    chosen = {tail: (head, p) for (tail, head, _, _, _, _, p), v in zip(edges, e) if (v.value() or 0) > 0.5}
     picks: list[int] = []
-    if status == "Optimal":
-        chosen = {tail: (head, p) for (tail, head, _, _, _, p), v in zip(edges, e) if (v.value() or 0) > 0.5}
-        node = SOURCE
-        while node != SINK:
-            node, p = chosen[node]
-            picks.extend(p)
-    return finish_uniform(problem, NAME, picks, status, t0, chain_aware=True)
+    node = SOURCE
+    while node != SINK:
+        node, p = chosen[node]
+        picks.extend(p)
+    return picks
