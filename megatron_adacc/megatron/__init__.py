@@ -27,6 +27,7 @@ Entry points (version-guarded through :mod:`megatron_adacc.compat.versions`):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -102,7 +103,7 @@ def _resolve(block: Any, spec: Any) -> Any:
 # ------------------------------------------------------------------------------------------------ dispatcher
 def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
     from megatron_adacc.runtime import accounting
-    from megatron_adacc.runtime.checkpoint import checkpointed_layer_forward
+    from megatron_adacc.runtime.checkpoint import checkpointed_layer_forward, stock_layer_forward
     from megatron_adacc.runtime.memory import _codecs_of, profile_layer_sizes
 
     if args.get("context") is not None or args.get("context_mask") is not None:
@@ -125,9 +126,10 @@ def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
             accounting.record_sizes(index, profile_layer_sizes(
                 layer, hidden_states, args.get("attention_mask"), args.get("rotary_pos_emb"),
                 codecs=_codecs_of(decisions)))
-        hidden_states = checkpointed_layer_forward(
-            layer, decisions, hidden_states, args.get("attention_mask"), args.get("rotary_pos_emb"),
-            layer_index=index)
+        forward = (stock_layer_forward if all(d.action == "keep" for d in decisions.values())
+                   else functools.partial(checkpointed_layer_forward, decisions=decisions))
+        hidden_states = forward(layer, hidden_states=hidden_states, attention_mask=args.get("attention_mask"),
+                                rotary_pos_emb=args.get("rotary_pos_emb"), layer_index=index)
         if index + offset in extract:
             intermediates.append(hidden_states)
     if extract:

@@ -318,13 +318,16 @@ class LayerMemory:
     stash_bytes: int = 0
     rng_bytes: int = 0
     nonfinite_fallbacks: int = 0
+    stock_bytes: int = 0
+    """Saved by a layer whose policy keeps everything, which runs megatron's own forward
+    (:func:`stock_layer_forward`): not split by op."""
     shared: dict[int, int] = field(default_factory=dict)
     """Storages of inputs every layer shares (attention mask, rotary embedding) that ops saved: held once for
     the whole model, so they are not part of :attr:`total_bytes`; ``{storage id: bytes}`` to sum uniquely."""
 
     @property
     def total_bytes(self) -> int:
-        return self.input_bytes + sum(self.per_op.values()) + self.stash_bytes + self.rng_bytes
+        return self.input_bytes + sum(self.per_op.values()) + self.stash_bytes + self.rng_bytes + self.stock_bytes
 
 
 class _Frame:
@@ -512,6 +515,49 @@ def checkpointed_layer_forward(
     if accounting.is_enabled():
         accounting.record(_measure(frame, hidden_states, layer_index))
     return output
+
+
+def stock_layer_forward(
+    layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    rotary_pos_emb: Any = None,
+    *,
+    layer_index: int | None = None,
+) -> torch.Tensor:
+    """Run ``layer`` through megatron's own ``TransformerLayer.forward``, for a layer whose policy keeps every
+    activation: the op decomposition and its per-tensor bookkeeping buy nothing there and cost a few percent
+    of step time. With accounting on, a plain pack hook files what the layer saves, as
+    :func:`checkpointed_layer_forward` does."""
+
+    def call() -> torch.Tensor:
+        out = layer(hidden_states=hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        return out[0] if isinstance(out, tuple) else out
+
+    if not (accounting.is_enabled() and torch.is_grad_enabled()):
+        return call()
+    params = {storage_ptr(p) for p in layer.parameters()}
+    external = {storage_ptr(v) for v in (attention_mask, *_flatten(rotary_pos_emb)) if isinstance(v, torch.Tensor)}
+    own_input = storage_ptr(hidden_states)
+    kept: dict[int, int] = {}
+    shared: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = storage_ptr(t)
+        if ptr != own_input and ptr not in params and not isinstance(t, torch.nn.Parameter):
+            (shared if ptr in external else kept)[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+        output = call()
+    accounting.record(LayerMemory(layer=-1 if layer_index is None else layer_index,
+                                  input_bytes=hidden_states.untyped_storage().nbytes(),
+                                  stock_bytes=sum(kept.values()), shared=shared))
+    return output
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _last_uses(ops: Sequence[LayerOp]) -> dict[int, tuple[str, ...]]:

@@ -61,6 +61,29 @@ def test_all_keep_matches_hand_count_and_independent_meter(model, batch):
     assert measured == meter.nbytes - shared_mask == _hand_count_all_keep() == 394240
 
 
+def test_a_keep_all_layer_runs_megatrons_forward_and_is_still_counted(model, batch, monkeypatch):
+    """The dispatcher sends a layer whose policy keeps everything to megatron's own forward (no op
+    decomposition); its bytes are still filed, equal to the runtime's own count."""
+    import megatron_adacc.runtime.checkpoint as ck
+    from megatron_adacc.runtime.checkpoint import stock_layer_forward
+
+    layer = model.decoder.layers[0]
+    x = torch.randn(S, B, H, requires_grad=True)
+    megatron_adacc.runtime.accounting.clear()
+    stock_layer_forward(layer, x, batch[2], layer_index=0)
+    stock = megatron_adacc.runtime.accounting.latest()[0]
+    assert stock.stock_bytes > 0 and stock.total_bytes == _hand_count_all_keep()
+
+    calls = []
+    monkeypatch.setattr(ck, "checkpointed_layer_forward",
+                        lambda *a, **k: calls.append(1) or pytest.fail("keep-all layer took the runtime path"))
+    megatron_adacc.install(policy_of([decisions(), decisions(recompute=["activation"])]), config=model.config)
+    megatron_adacc.runtime.accounting.clear()
+    with pytest.raises(BaseException, match="runtime path"):
+        loss_and_grads(model, batch)  # layer 0 keeps everything: megatron's forward; layer 1 needs the runtime
+    assert megatron_adacc.runtime.accounting.latest()[0].stock_bytes == stock.stock_bytes
+
+
 def _policies() -> dict[str, Policy]:
     rng = random.Random(3)
     codecs = {"linear_qkv": "int4_channelwise", "scores": "int4_asymmetric", "softmax": "int4_asymmetric",
