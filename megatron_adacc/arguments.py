@@ -61,6 +61,15 @@ def add_adacc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--adacc-memory-budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="Memory budget for --adacc-policy auto (e.g. 30GiB). Default: the device's memory "
                         "(CUDA: total memory of the current GPU; CPU: available RAM).")
+    g.add_argument("--adacc-memory-headroom", type=float, default=0.01, metavar="FRACTION",
+                   help="Fraction of the budget the solver leaves free for what its cost model does not see "
+                        "(allocator fragmentation, run-to-run variation of the peak). Default 0.01.")
+    g.add_argument("--adacc-process-baseline", dest="adacc_process_baseline_bytes", type=parse_bytes, default=None,
+                   metavar="BYTES",
+                   help="Memory the process holds besides what the cost model counts (CPU: interpreter, "
+                        "libraries, allocator and framework buffers; peak RSS is the budget there). Default "
+                        "on CPU: the resident size measured before solving, which misses buffers created "
+                        "later; benchmarks set it from a measured keep-all run.")
     g.add_argument("--adacc-profile-db", default=None, metavar="PATH",
                    help="SQLite database of profiled op costs, reused across runs. Default: "
                         "$ADACC_PROFILE_DB or ~/.cache/megatron-adacc/profile.sqlite.")

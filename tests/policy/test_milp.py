@@ -202,3 +202,20 @@ def test_hand_computed_two_op_instance() -> None:
     # chain-aware adds the re-decompression of a compressed segment input: compress+recompute = 1+2+0.5
     problem.budget_bytes = 12
     assert chain_aware.solve(problem).predicted_time_s == 2.0  # keep + recompute
+
+
+def test_headroom_keeps_a_fraction_of_the_budget_free_and_names_the_budget_it_needs() -> None:
+    from megatron_adacc.policy.solver import SolveOptions, solve_policy
+
+    prof = analytic_profile(SIG)
+    probe = build_problem(prof, None)
+    lo = probe.min_feasible_budget(stash=True)
+    budget = lo + 0.5 * (probe.total_memory([[0] * probe.num_ops] * probe.num_layers, stash=True) - lo)
+    policy, result = solve_policy(prof, budget, SolveOptions(headroom=0.1))
+    assert result.predicted_memory_bytes <= 0.9 * budget
+    assert policy.budget_bytes == int(budget)  # the policy records the budget it was asked for
+    with pytest.raises(InfeasibleBudgetError, match="headroom") as info:
+        solve_policy(prof, lo, SolveOptions(headroom=0.1))
+    assert info.value.min_feasible_bytes == math.ceil(lo / 0.9)
+    with pytest.raises(ValueError, match="fraction"):
+        solve_policy(prof, budget, SolveOptions(headroom=1.5))
