@@ -124,11 +124,15 @@ def run(args) -> dict:
     offset = measured["adacc_keep_all"]["peak_memory_bytes"] - keep_model
     budgets = [int(p_none - i * (p_none - p_full) / (n_budgets - 1)) for i in range(n_budgets)]
     sig = model_signature(tconfig, targs)
-    options = SolveOptions()
+    # The solver's headroom is a fraction of the real budget, not of the model budget left after the offset:
+    # it is taken here and the policy files carry budgets that already exclude it (their runs say so too, for
+    # evolution's re-solves).
+    headroom = SolveOptions().headroom
+    options = SolveOptions(headroom=0.0)
 
     entries = []
     for i, budget in enumerate(budgets):
-        model_budget = budget - offset
+        model_budget = budget * (1.0 - headroom) - offset
         entry: dict = {"budget_bytes": budget, "model_budget_bytes": int(model_budget), "methods": {}, "milp": {}}
         # MILP solve times of each formulation at this budget
         problem = make_problem(profile, model_budget, options)
@@ -147,7 +151,7 @@ def run(args) -> dict:
             policy, res = solve_policy(profile, model_budget, options, profile_ref=ref, signature=sig)
             path = save_policy(policy, workdir / f"adacc_{i}.json")
             print(f"running adacc_auto at budget {budget / 2**20:.0f} MiB ...", flush=True)
-            auto = _clean(train_method(base + ["--adacc-policy", str(path)]))
+            auto = _clean(train_method(base + ["--adacc-policy", str(path), "--adacc-memory-headroom", "0"]))
             auto.update(predicted_memory_bytes=int(res.predicted_memory_bytes + offset), solve_time_s=res.solve_time_s,
                         policy=[d.label for d in policy.layers[-1]])
         except InfeasibleBudgetError as e:
@@ -166,7 +170,7 @@ def run(args) -> dict:
                             baseline="megatron_full", metrics=METRICS,
                             title=f"budget {budget / 2**20:.1f} MiB (model budget {model_budget / 2**20:.1f} MiB)")
 
-    config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base,
+    config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base, "headroom": headroom,
               "model_offset_bytes": int(offset), "profile": ref}
     harness.write_results("budget", config, measured, extra={"budgets": entries}, args=args)
     _plot(entries, harness.results_dir(args) / "budget.png", config_name)

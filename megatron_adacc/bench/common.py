@@ -31,12 +31,44 @@ def profile_for(flags: list[str], timeout: float = 1800) -> None:
         raise RuntimeError(f"adacc profile failed:\n{proc.stderr[-3000:]}")
 
 
+def peak_memory(flags: list[str], timeout: float = 1800) -> int:
+    """Peak memory of one `adacc train` invocation, from a low-fragmentation run on CPU (no timing run)."""
+    out = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV,
+                                        low_fragmentation_malloc=True)
+    return int(out["peak_memory_bytes"])
+
+
+def keep_all_offset(flags: list[str], workdir) -> tuple[int, dict]:
+    """What ``--adacc-policy auto`` on CPU should count as the process's own memory for this configuration:
+    the measured peak of Adacc's keep-all policy minus the cost model's prediction for it without any
+    process memory. Returns ``(offset bytes, profile reference)``. Runs the profiler (in a child) if needed.
+    """
+    from pathlib import Path
+
+    from ..policy.io import save_policy
+    from ..policy.policy import Policy
+    from ..policy.profile_db import ProfileDB
+    from ..policy.solver import evaluate_policy
+
+    out = harness.run_method_subprocess("megatron_adacc.bench.budget", {"flags": flags}, timeout=3600)
+    ref = out["ref"]
+    profile = ProfileDB(ref["db"]).get_by_id(int(ref["id"]))
+    layers = int(profile.signature["num_layers"])
+    path = save_policy(Policy.all_keep(layers), Path(workdir) / f"keep_all_{abs(hash(tuple(flags)))}.json")
+    measured = peak_memory(flags + ["--adacc-policy", str(path)])
+    model = evaluate_policy(profile, Policy.all_keep(layers))["memory_bytes"]
+    return int(measured - model), ref
+
+
 def train_method(flags: list[str], memory_run: bool = True, timeout: float = 1800) -> dict:
     """Metrics of one `adacc train` invocation: step_time_s, tokens_per_s, final_loss, losses,
     saved_activation_bytes, peak_memory_bytes (from a low-fragmentation run when ``memory_run``)."""
     timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV)
     out = {k: timed.get(k) for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
                                      "peak_memory_bytes", "losses", "valid_loss")}
+    # what the features report that a benchmark may read (policy evolution's switches); not per-layer detail
+    out["extensions"] = {name: {k: v for k, v in rep.items() if k in ("switches", "tracking_iterations", "policy")}
+                         for name, rep in (timed.get("extensions") or {}).items()}
     out["peak_memory_source"] = timed["peak_memory_kind"]
     if memory_run and timed["device"] == "cpu":
         mem = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV,

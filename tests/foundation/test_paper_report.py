@@ -1,0 +1,64 @@
+"""`adacc bench paper --report-only` rebuilds the report from a recorded paper.json, with readings computed from
+the numbers; `--parts` refuses parts it does not know before running anything."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_adacc.bench import paper
+
+
+def _args(tmp_path, **kw) -> SimpleNamespace:
+    base = dict(quick=True, output_dir=str(tmp_path), config=None, loss_config="tiny", batches=None, budget=None,
+                steps=None, loss_steps=None, parts="fig5,fig6,fig7", report_only=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _point(tok: float, peak_mib: float, fits: bool) -> dict:
+    return {"tokens_per_s": tok, "peak_memory_bytes": int(peak_mib * 2**20), "fits": fits}
+
+
+def _recorded() -> dict:
+    sweep = {"baseline": {"4": _point(1000, 400, True), "8": _point(1100, 500, False)},
+             "megatron_full": {"4": _point(700, 300, True), "8": _point(720, 350, True)},
+             "quantization": {"4": _point(900, 320, True), "8": _point(950, 380, True)},
+             "adacc": {"4": _point(990, 390, True), "8": _point(900, 440, True)}}
+    return {
+        "benchmark": "paper", "machine": {"platform": "test", "cpu_count": 2, "gpu": None, "date": "2026-11-22"},
+        "versions": {"python": "3.11", "torch": "2.13", "megatron_core": "0.16.1", "codec_backend": "cpp"},
+        "config": {"throughput_config": "tiny", "loss_config": "tiny", "batches": [4, 8], "steps": 4,
+                   "loss_steps": 40, "quick": True},
+        "methods": {}, "budget_bytes": 450 * 2**20, "loss_budget_bytes": 420 * 2**20, "sweep": sweep,
+        "max_micro_batch": {"baseline": 4, "megatron_full": 8, "quantization": 8, "adacc": 8},
+        "loss_curves": {"baseline": [3.0, 2.0], "quantization": [3.0, 2.1], "adacc": [3.0, 2.01],
+                        "adacc_no_outlier": [3.0, 2.02]},
+        "valid_loss": {"baseline": 2.0, "quantization": 2.1, "adacc": 2.004, "adacc_no_outlier": 2.03},
+        "evolution": {"adacc": {"8": {"tokens_per_s": 1050}}, "adacc_no_evolution": {"8": {"tokens_per_s": 1000}}},
+    }
+
+
+def test_report_only_rebuilds_the_report_with_readings_from_the_numbers(tmp_path) -> None:
+    (tmp_path / "paper.json").write_text(json.dumps(_recorded()))
+    paper.run(_args(tmp_path, report_only=True))
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "| 8 | over budget (500 MiB) | 720 (350 MiB) | 950 (380 MiB) | 900 (440 MiB) | 1.25x |" in report
+    assert "Here: 1.25-1.41x over the micro-batches where both fit." in report
+    assert "Adacc +0.20% validation loss against the baseline (within the paper's 0.5%)" in report
+    assert "Quantization +5.00%, worse than Adacc" in report
+    assert "without outlier separation +1.50% (+1.30 points vs Adacc)" in report
+    assert "Here: 1.05-1.05x" in report
+    assert "a budget of 420 MiB" in report
+
+
+def test_unknown_parts_are_refused_before_anything_runs(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="unknown --parts"):
+        paper.run(_args(tmp_path, parts="fig5,fig9"))
+
+
+def test_a_partial_run_needs_a_recorded_result(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="run every part"):
+        paper.run(_args(tmp_path, parts="fig7"))
