@@ -24,13 +24,9 @@ from megatron_adacc.policy.strategies import InfeasibleBudgetError, paper
 
 
 def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+    from megatron_adacc.training.memory import format_bytes
+
+    return format_bytes(n, digits=2)
 
 
 def _fmt_ms(s: float | None) -> str:
