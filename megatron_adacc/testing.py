@@ -129,3 +129,20 @@ def _lift_address_space_cap() -> None:
     buffers) that a cap sized for one tiny model in one process can refuse, which aborts a rank (SIGABRT)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+
+def exit_torchrun_worker(code: int = 0) -> None:
+    """End a torchrun test worker after its results are printed: every rank meets at a barrier (none tears
+    gloo down while another still talks to it), then the process leaves without interpreter teardown, where
+    a joinable C++ thread left by DDP's reducer makes static destruction call std::terminate (SIGABRT)."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from megatron_adacc.testing import exit_torchrun_worker
 
 
 class Net(torch.nn.Module):
@@ -70,13 +71,7 @@ def main() -> None:
         result = run(spec)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()  # no rank tears gloo down while the other still talks to it
-    dist.destroy_process_group()
-    # torch DDP's reducer can leave a joinable C++ thread behind; static destruction then calls std::terminate
-    # (SIGABRT) after all work is done. The results are printed and flushed, so skip interpreter teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_torchrun_worker(0)
 
 
 if __name__ == "__main__":

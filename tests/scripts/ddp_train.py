@@ -5,6 +5,7 @@ import sys
 import torch
 
 from megatron_adacc.compat import quiet_fallback_warnings
+from megatron_adacc.testing import exit_torchrun_worker
 from megatron_adacc.training.args import parse_train_args
 from megatron_adacc.training.loop import train
 
@@ -17,4 +18,4 @@ identical = all(torch.equal(gathered[0], g) for g in gathered)
 moved = summary["losses"][0] != summary["losses"][-1]
 if torch.distributed.get_rank() == 0:
     print(f"PARAMS_IDENTICAL={identical} LOSS_MOVED={moved} WORLD={summary['world_size']}")
-sys.exit(0 if identical and moved else 1)
+exit_torchrun_worker(0 if identical and moved else 1)
