@@ -22,8 +22,8 @@ from megatron_adacc.policy.cost_model import Problem
 from megatron_adacc.policy.strategies.base import (
     MS,
     SolveResult,
-    check_budget,
     best_over_caps,
+    check_budget,
     finish_uniform,
     memory_unit,
     run_cbc,

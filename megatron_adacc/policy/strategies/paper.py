@@ -9,8 +9,8 @@ import pulp
 from megatron_adacc.policy.cost_model import Problem
 from megatron_adacc.policy.strategies.base import (
     MS,
-    best_over_caps,
     SolveResult,
+    best_over_caps,
     check_budget,
     finish_uniform,
     memory_unit,
