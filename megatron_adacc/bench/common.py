@@ -67,7 +67,8 @@ def train_method(flags: list[str], memory_run: bool = True, timeout: float = 180
     out = {k: timed.get(k) for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
                                      "peak_memory_bytes", "losses", "valid_loss")}
     # what the features report that a benchmark may read (policy evolution's switches); not per-layer detail
-    out["extensions"] = {name: {k: v for k, v in rep.items() if k in ("switches", "tracking_iterations", "policy")}
+    keys = ("switches", "tracking_iterations", "policy", "decisions")
+    out["extensions"] = {name: {k: v for k, v in rep.items() if k in keys}
                          for name, rep in (timed.get("extensions") or {}).items()}
     out["peak_memory_source"] = timed["peak_memory_kind"]
     if memory_run and timed["device"] == "cpu":
@@ -76,6 +77,20 @@ def train_method(flags: list[str], memory_run: bool = True, timeout: float = 180
         out["peak_memory_bytes"] = mem["peak_memory_bytes"]
         out["peak_memory_source"] = "peak_rss (MALLOC_MMAP_THRESHOLD_=65536 run)"
     return out
+
+
+def interleaved_step_times(methods: dict[str, list[str]], repeats: int, timeout: float = 1800) -> dict[str, list]:
+    """Fresh timed runs of each method, ``repeats`` rounds in alternation (A B A B ...), so that slow drifts in
+    the machine's speed hit every method alike. Returns each method's step times, one per round.
+
+    A comparison against the fastest of many configurations must re-time that configuration this way: its
+    sweep time is the minimum of many noisy draws, biased low against a method timed once."""
+    times: dict[str, list] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, flags in methods.items():
+            timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV)
+            times[name].append(timed["step_time_s"])
+    return times
 
 
 def _child(payload_path: str) -> None:
