@@ -12,6 +12,7 @@ Two groups of flags live here:
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 ADACC_POLICY_PRESETS = ("none", "auto", "keep", "recompute", "quantize-all")
@@ -40,6 +41,15 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _outlier_z(text: str) -> float:
+    value = _positive_float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite Z-score, got {text}; to turn outlier separation off use "
+            "--adacc-no-outlier-separation")
     return value
 
 
@@ -78,8 +88,11 @@ def add_adacc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "statistics drift). For ablations.")
     g.add_argument("--adacc-evolution-cap", type=int, default=1024, metavar="ITERS",
                    help="Longest interval between two tracking iterations of policy evolution.")
-    g.add_argument("--adacc-outlier-z", type=_positive_float, default=3.0, metavar="Z",
+    g.add_argument("--adacc-outlier-z", type=_outlier_z, default=3.0, metavar="Z",
                    help="Z-score threshold that separates outlier channels in outlier-separated INT4.")
+    g.add_argument("--adacc-no-outlier-separation", action="store_true",
+                   help="Compress the tensors that take outlier-separated INT4 (Linear, LayerNorm and GELU "
+                        "inputs) with plain per-token INT4 instead: the paper's 'Adacc w/o outlier' ablation.")
     g.add_argument("--adacc-codec", choices=("int4", "gact"), default="int4",
                    help="Codec family for tensors the policy compresses: the paper's layer-specific INT4 "
                         "codecs, or GACT's adaptive-bit stochastic quantizer.")

@@ -200,6 +200,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
                   num_layers: int | None = None, static_bytes: float | None = None,
                   per_tensor: bool = False, redecompress_segment_input: bool = True,
                   only_codec: str | None = None, codec_params: dict[str, dict] | None = None,
+                  codec_substitutes: dict[str, str] | None = None,
                   allow: Callable[[str, Decision], bool] | None = None) -> Problem:
     """The MILP's problem from a profile.
 
@@ -207,6 +208,8 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
     recompute); ``codecs="all"`` offers every applicable codec the profile measured. ``only_codec`` offers
     that one codec instead (e.g. ``stochastic`` for ``--adacc-codec gact``) wherever it applies.
     ``codec_params`` sets the parameters written into compress decisions (e.g. the outlier Z threshold).
+    ``codec_substitutes`` offers another codec in place of a default one where the op accepts it (e.g.
+    ``{"int4_outlier": "int4_symmetric"}``: the paper's "Adacc w/o outlier" ablation).
     ``allow(op, decision)`` can veto choices.
     """
     if codecs not in ("default", "all"):
@@ -216,6 +219,9 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
     for spec, op in zip(OPS, profile.ops):
         cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, float(op.stash_bytes.get("keep", 0)))]
         names = spec.codecs if codecs == "all" else (spec.default_codec,)
+        if codec_substitutes:
+            names = tuple(dict.fromkeys(codec_substitutes.get(n, n) for n in names
+                                        if codec_substitutes.get(n, n) in spec.codecs))
         if only_codec is not None:
             names = (only_codec,) if only_codec in spec.codecs else ()
         for codec in names:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_adacc.policy.cost_model import Problem, build_problem
+from megatron_adacc.policy.ops import OUTLIER_CODEC
 from megatron_adacc.policy.policy import Policy
 from megatron_adacc.policy.profile import LayerProfile
 from megatron_adacc.policy.strategies import InfeasibleBudgetError, SolveResult, solve
@@ -21,6 +22,9 @@ class SolveOptions:
     codec_family: str = "int4"
     """``int4`` (the paper's codecs) or ``gact`` (GACT's stochastic quantizer for every compressed tensor)."""
     outlier_z: float = 3.0
+    outlier_separation: bool = True
+    """False: tensors whose paper codec is outlier-separated INT4 get plain per-token INT4 instead (the
+    paper's "Adacc w/o outlier" ablation)."""
     process_baseline_bytes: float = 0.0
     """Memory the process holds besides the model (on the CPU: the interpreter, torch and megatron-core, whose
     pages count in peak RSS, the CPU's measure of the budget). Added to the static memory of eq. 7."""
@@ -36,6 +40,7 @@ class SolveOptions:
                    codecs=getattr(args, "adacc_codecs", "default") or "default",
                    codec_family=getattr(args, "adacc_codec", "int4") or "int4",
                    outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0,
+                   outlier_separation=not getattr(args, "adacc_no_outlier_separation", False),
                    process_baseline_bytes=float(getattr(args, "adacc_process_baseline_bytes", 0.0) or 0.0),
                    headroom=float(getattr(args, "adacc_memory_headroom", 0.01)))
 
@@ -48,7 +53,8 @@ def make_problem(profile: LayerProfile, budget_bytes: float | None, options: Sol
         profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
         static_bytes=profile.static_bytes + options.process_baseline_bytes,
         only_codec="stochastic" if options.codec_family == "gact" else None,
-        codec_params={"int4_outlier": {"z_threshold": float(options.outlier_z)}},
+        codec_params={OUTLIER_CODEC: {"z_threshold": float(options.outlier_z)}},
+        codec_substitutes=None if options.outlier_separation else {OUTLIER_CODEC: "int4_symmetric"},
     )
 
 

@@ -219,3 +219,32 @@ def test_headroom_keeps_a_fraction_of_the_budget_free_and_names_the_budget_it_ne
     assert info.value.min_feasible_bytes == math.ceil(lo / 0.9)
     with pytest.raises(ValueError, match="fraction"):
         solve_policy(prof, budget, SolveOptions(headroom=1.5))
+
+
+def test_no_outlier_separation_swaps_outlier_int4_for_per_token_int4_and_nothing_else() -> None:
+    """The paper's "Adacc w/o outlier" ablation: the same MILP, with plain per-token INT4 offered wherever the
+    layer-specific codec is outlier-separated INT4."""
+    from megatron_adacc.policy.solver import SolveOptions, solve_policy
+
+    prof = analytic_profile(SIG)
+    probe = build_problem(prof, None)
+    lo = probe.min_feasible_budget(stash=True)
+    budget = lo + 0.1 * (probe.total_memory([[0] * probe.num_ops] * probe.num_layers, stash=True) - lo)
+    with_sep, _ = solve_policy(prof, budget, SolveOptions(headroom=0.0))
+    without, _ = solve_policy(prof, budget, SolveOptions(headroom=0.0, outlier_separation=False))
+    codecs = lambda pol: {d.codec for layer in pol.layers for d in layer if d.codec}  # noqa: E731
+    assert "int4_outlier" in codecs(with_sep)
+    assert "int4_outlier" not in codecs(without) and "int4_symmetric" in codecs(without)
+    # the other layer-specific codecs stay what they were
+    assert codecs(with_sep) - {"int4_outlier"} <= codecs(without)
+
+
+def test_an_infinite_outlier_z_is_refused_with_the_flag_that_does_what_it_meant() -> None:
+    import argparse
+
+    from megatron_adacc.arguments import add_adacc_args
+
+    parser = add_adacc_args(argparse.ArgumentParser(exit_on_error=False))
+    with pytest.raises(argparse.ArgumentError, match="--adacc-no-outlier-separation"):
+        parser.parse_args(["--adacc-outlier-z", "inf"])
+    assert parser.parse_args(["--adacc-no-outlier-separation"]).adacc_no_outlier_separation
