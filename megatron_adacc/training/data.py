@@ -1,6 +1,6 @@
-"""The embedded training corpus: English text that ships with CPython, as byte-level tokens.
+"""Batches of the training corpus (``--corpus``, see :mod:`.corpus`) as byte-level tokens.
 
-`pydoc_data.topics` is the text of Python's reference documentation (~466 KB), present in every CPython
+The default corpus, `pydoc_data.topics` (Python's reference documentation, ~466 KB), ships with every CPython
 install, so `adacc train` needs no download. Tokens are UTF-8 bytes (vocabulary 256).
 """
 
@@ -14,13 +14,13 @@ import torch
 VOCAB_SIZE = 256
 
 
-@lru_cache(maxsize=1)
-def corpus_tokens() -> torch.Tensor:
-    """The whole corpus as a 1-D int64 tensor of byte values."""
-    from pydoc_data.topics import topics
+@lru_cache(maxsize=2)
+def corpus_tokens(corpus: str = "embedded") -> torch.Tensor:
+    """The whole corpus as a 1-D uint8 tensor of byte values (batches widen to int64: a 5 MB corpus held as
+    int64 would add 40 MB to every process's memory)."""
+    from .corpus import corpus_text
 
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+    return torch.frombuffer(bytearray(corpus_text(corpus).encode("utf-8")), dtype=torch.uint8)
 
 
 @dataclass
@@ -41,8 +41,8 @@ class BatchSampler:
     """
 
     def __init__(self, seq_length: int, micro_batch_size: int, seed: int, split: str = "train",
-                 rank: int = 0):
-        tokens = corpus_tokens()
+                 rank: int = 0, corpus: str = "embedded"):
+        tokens = corpus_tokens(corpus)
         cut = int(len(tokens) * 0.95)
         self.tokens = tokens[:cut] if split == "train" else tokens[cut:]
         if len(self.tokens) <= seq_length + 1:
@@ -59,5 +59,5 @@ class BatchSampler:
     def __next__(self) -> Batch:
         starts = torch.randint(0, len(self.tokens) - self.seq_length - 1, (self.micro_batch_size,),
                                generator=self.generator)
-        windows = torch.stack([self.tokens[s: s + self.seq_length + 1] for s in starts.tolist()])
+        windows = torch.stack([self.tokens[s: s + self.seq_length + 1] for s in starts.tolist()]).to(torch.int64)
         return Batch(windows[:, :-1], windows[:, 1:], self.position_ids, self.mask)

@@ -1,4 +1,4 @@
-"""`adacc train`: train a megatron-core GPT on the embedded corpus with Megatron's DDP and optimizer.
+"""`adacc train`: train a megatron-core GPT on a text corpus (``--corpus``) with Megatron's DDP and optimizer.
 
 The loop is Megatron-LM's ``train_step`` without pipeline parallelism: zero the grad buffer, run the
 micro-batches (all but the last under ``no_sync``), finish the gradient reduction, step the optimizer.
@@ -72,8 +72,10 @@ def train(args: SimpleNamespace, return_model: bool = False):
         optimizer = model_lib.build_optimizer(args, ddp)
     params = [p for p in model.parameters()]
 
-    sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank)
-    probe_batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=rank)
+    corpus = getattr(args, "corpus", "embedded")
+    sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank, corpus=corpus)
+    probe_batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=rank,
+                                 corpus=corpus)
 
     probe_batch = []
 
@@ -161,7 +163,8 @@ def train(args: SimpleNamespace, return_model: bool = False):
 @torch.no_grad()
 def evaluate(model, args: SimpleNamespace, device: torch.device, rank: int, world: int) -> float:
     """Mean loss over ``--eval-iters`` held-out batches with dropout off (the same batches for every run)."""
-    sampler = BatchSampler(args.seq_length, args.micro_batch_size, seed=0, split="valid", rank=rank)
+    sampler = BatchSampler(args.seq_length, args.micro_batch_size, seed=0, split="valid", rank=rank,
+                           corpus=getattr(args, "corpus", "embedded"))
     model.eval()
     try:
         total = torch.zeros((), device=device)
