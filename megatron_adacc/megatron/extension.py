@@ -53,6 +53,8 @@ class AdaccExtension(TrainingExtension):
         return metered()
 
     def report(self) -> dict[str, Any]:
+        from collections import Counter
+
         from megatron_adacc.megatron import installed_policy
         from megatron_adacc.runtime.memory import memory_report
 
@@ -60,6 +62,8 @@ class AdaccExtension(TrainingExtension):
         rep = memory_report(policy)
         out: dict[str, Any] = {
             "policy": getattr(policy, "name", None) or str(policy),
+            # how many (layer, op) pairs take each decision: which codecs a run used, at a glance
+            "decisions": dict(Counter(d.label for layer in getattr(policy, "layers", []) for d in layer)),
             "layer_bytes_measured": rep["measured_bytes"],
             "layer_bytes_predicted": rep.get("predicted_bytes"),
             "layers": [{"layer": r["layer"], "measured_bytes": r["measured_bytes"],

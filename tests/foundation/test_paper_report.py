@@ -41,10 +41,14 @@ def _recorded() -> dict:
     }
 
 
-def test_report_only_rebuilds_the_report_with_readings_from_the_numbers(tmp_path) -> None:
-    (tmp_path / "paper.json").write_text(json.dumps(_recorded()))
+def _rebuilt_report(tmp_path, data: dict) -> str:
+    (tmp_path / "paper.json").write_text(json.dumps(data))
     paper.run(_args(tmp_path, report_only=True))
-    report = (tmp_path / "REPORT.md").read_text()
+    return (tmp_path / "REPORT.md").read_text()
+
+
+def test_report_only_rebuilds_the_report_with_readings_from_the_numbers(tmp_path) -> None:
+    report = _rebuilt_report(tmp_path, _recorded())
     assert "| 8 | over budget (500 MiB) | 720 (350 MiB) | 950 (380 MiB) | 900 (440 MiB) | 1.25x |" in report
     assert "Here: 1.25-1.41x over the micro-batches where both fit." in report
     assert "Adacc +0.20% validation loss against the baseline (within the paper's 0.5%)" in report
@@ -52,6 +56,26 @@ def test_report_only_rebuilds_the_report_with_readings_from_the_numbers(tmp_path
     assert "without outlier separation +1.50% (+1.30 points vs Adacc)" in report
     assert "Here: 1.05-1.05x" in report
     assert "a budget of 420 MiB" in report
+
+
+def test_loss_differences_are_read_against_the_other_seed_and_a_vacuous_ablation_is_named(tmp_path) -> None:
+    data = _recorded()
+    data["config"]["loss_corpus"] = "shakespeare"
+    data["loss_curves"]["baseline_other_seed"] = [3.0, 2.02]
+    data["valid_loss"].update(baseline_other_seed=2.02, quantization=2.01)  # +1.00% spread; quant +0.50%
+    data["loss_decisions"] = {"adacc": {"keep": 40, "recompute": 8, "compress:int4_asymmetric": 4},
+                              "adacc_no_outlier": {"keep": 40, "recompute": 8, "compress:int4_asymmetric": 4}}
+    report = _rebuilt_report(tmp_path, data)
+    assert "loss on Shakespeare's plays" in report
+    assert "| keep 40, recompute 8, int4_asymmetric 4 |" in report
+    assert "another seed lands +1.00% from the baseline" in report
+    assert "Quantization +0.50%, worse than Adacc by 0.30 points (within the run-to-run spread)" in report
+    assert "compresses no tensor with outlier separation, so the ablation measures nothing here" in report
+
+    data["loss_decisions"]["adacc"]["compress:int4_outlier"] = 4
+    data["valid_loss"]["adacc_no_outlier"] = 2.05  # +2.50%, 2.30 points over Adacc: beyond a 1% spread
+    report = _rebuilt_report(tmp_path, data)
+    assert "without outlier separation +2.50% (+2.30 points vs Adacc; beyond the run-to-run spread)" in report
 
 
 def test_unknown_parts_are_refused_before_anything_runs(tmp_path) -> None:
