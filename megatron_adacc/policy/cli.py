@@ -205,7 +205,9 @@ def render_profile(profile: LayerProfile) -> str:
             f"static {_fmt_bytes(profile.static_bytes)}, workspace {_fmt_bytes(profile.workspace_bytes)}, "
             f"per-layer input {_fmt_bytes(profile.layer_fixed_bytes)}\n"
             f"times below are micro-benchmarks; in the runtime the cost model scales codec times by "
-            f"{profile.codec_time_scale:.2f} and recompute times by {profile.recompute_time_scale:.2f}\n")
+            f"{profile.codec_time_scale:.2f} and recompute times by {profile.recompute_time_scale:.2f}, and charges "
+            f"{_fmt_ms(profile.runtime_overhead_s)} per layer that does not keep everything (the runtime's own "
+            "cost)\n")
     return head + _table(rows, ["op", "smallest codec", "saved", "recompute", "crate", "c+dc time"])
 
 

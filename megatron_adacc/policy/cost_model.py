@@ -77,6 +77,9 @@ class Problem:
     """Indices of ops that draw random numbers; defaults to the layer's dropout ops."""
     per_tensor: bool = False
     redecompress_segment_input: bool = True
+    runtime_overhead_s: float = 0.0
+    """Fixed time of a layer that runs through the runtime's op decomposition; a layer that keeps every
+    activation runs megatron's own forward and does not pay it."""
     op_names: list[str] | None = None
     """Defaults to the transformer layer's ops when there are 13 choice lists, else ``op0, op1, ...``."""
 
@@ -157,11 +160,21 @@ class Problem:
         rng = self.rng_bytes if any(i in self.rng_ops for i in range(a, b + 1)) else 0.0
         return before.stash_bytes + rng
 
+    def stock_picks(self) -> list[int] | None:
+        """The keep-everything picks, or None when some op offers no keep choice."""
+        picks = [next((k for k, c in enumerate(cs) if c.decision.action == "keep"), None) for cs in self.choices]
+        return None if None in picks else picks
+
+    def is_stock(self, picks: Sequence[int]) -> bool:
+        """Whether a layer with ``picks`` keeps every activation (and so runs megatron's own forward)."""
+        return all(self.choices[i][k].decision.action == "keep" for i, k in enumerate(picks))
+
     def layer_time(self, picks: Sequence[int], *, chain_aware: bool) -> float:
         """The per-layer overhead time of ``picks`` (one choice index per op) under either cost model."""
+        fixed = 0.0 if self.is_stock(picks) else self.runtime_overhead_s
         if not chain_aware:
-            return sum(self.choices[i][k].time_s for i, k in enumerate(picks))
-        total = 0.0
+            return fixed + sum(self.choices[i][k].time_s for i, k in enumerate(picks))
+        total = fixed
         i, n = 0, self.num_ops
         while i < n:
             c = self.choices[i][picks[i]]
@@ -251,4 +264,5 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         rng_bytes=float(profile.rng_bytes),
         per_tensor=per_tensor,
         redecompress_segment_input=redecompress_segment_input,
+        runtime_overhead_s=float(profile.runtime_overhead_s),
     )

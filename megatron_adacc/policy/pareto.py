@@ -81,6 +81,12 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     points: list[ParetoPoint] = []
     for cap in caps:
         points.extend(_front_capped(problem, chain_aware, cap))
+    if problem.runtime_overhead_s:
+        # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
+        # among them holds, and keep-all (the most memory) cannot dominate any of them
+        points = [p if problem.is_stock(p.picks) else
+                  ParetoPoint(p.memory_bytes, p.time_s + problem.runtime_overhead_s, p.picks, p.recompute_bytes,
+                              p.decompress_bytes) for p in points]
     return _prune(points, _remat_cost)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """2: ``workspace_bytes`` is only the policy-independent transient (version 1 also counted one layer's
 activations, which the cost model now derives per policy)."""
 
@@ -91,7 +91,7 @@ class LayerProfile:
     segment_overhead_s: float = 0.0
     """Fixed cost of launching one recompute segment (RNG restore, re-entry), used for unmeasured segments."""
     step_time_s: float | None = None
-    """Measured time of one micro-batch forward + backward with every activation kept, if known."""
+    """Measured time of one layer's forward + backward through megatron's own forward, if known."""
     codec_time_scale: float = 1.0
     """Measured / modeled overhead of compressing every op, from timing one layer's forward + backward under
     the runtime (keep-all against compress-all). Per-op codec micro-benchmarks run on cache-hot tensors and
@@ -99,6 +99,10 @@ class LayerProfile:
     scales every codec time by this."""
     recompute_time_scale: float = 1.0
     """The same calibration for recomputation (keep-all against recompute-all)."""
+    runtime_overhead_s: float = 0.0
+    """Fixed cost of running one layer's forward + backward through Adacc's op decomposition instead of
+    megatron's own forward (measured: the runtime keeping everything against the stock layer). A layer whose
+    policy keeps every activation runs the stock forward and does not pay it."""
     source: str = "measured"
     """``measured`` (the profiler), ``analytic`` (shape formulas) or ``synthetic`` (tests)."""
     created_at: float = field(default_factory=time.time)
@@ -138,6 +142,7 @@ class LayerProfile:
             "step_time_s": self.step_time_s,
             "codec_time_scale": self.codec_time_scale,
             "recompute_time_scale": self.recompute_time_scale,
+            "runtime_overhead_s": self.runtime_overhead_s,
             "source": self.source,
             "created_at": self.created_at,
             "meta": dict(self.meta),
@@ -159,6 +164,7 @@ class LayerProfile:
             step_time_s=obj.get("step_time_s"), source=obj.get("source", "measured"),
             codec_time_scale=float(obj.get("codec_time_scale", 1.0)),
             recompute_time_scale=float(obj.get("recompute_time_scale", 1.0)),
+            runtime_overhead_s=float(obj.get("runtime_overhead_s", 0.0)),
             created_at=float(obj.get("created_at", 0.0)), meta=dict(obj.get("meta", {})),
         )
 

@@ -99,26 +99,33 @@ def _layer_inputs(model: torch.nn.Module, args: Any, device: torch.device):
 _SCALE_RANGE = (0.5, 20.0)
 
 
-def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, sync) -> tuple[float, float, float]:
-    """Time one layer's forward + backward under the runtime with every op kept, compressed and recomputed;
-    return (codec scale, recompute scale, keep-all time): measured overhead over the sum the cost model would
-    predict from the per-op micro-benchmarks."""
+def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, sync
+               ) -> tuple[float, float, float, float]:
+    """Time one layer's forward + backward under the runtime with every op kept, compressed and recomputed,
+    and through megatron's own forward; return (codec scale, recompute scale, stock time, runtime overhead):
+    the first two are measured overheads over the sums the cost model would predict from the per-op
+    micro-benchmarks, the last the runtime's fixed cost (keep-all in the runtime against the stock layer)."""
     from megatron.core.tensor_parallel.random import _fork_rng
 
     from megatron_adacc.policy.policy import Policy
     from megatron_adacc.runtime import checkpointed_layer_forward
+    from megatron_adacc.runtime.checkpoint import stock_layer_forward
 
     def step(decisions) -> None:
         x = hidden.detach().requires_grad_(True)
-        out = checkpointed_layer_forward(layer, decisions, x, mask, rope)
+        if decisions is None:
+            out = stock_layer_forward(layer, x, mask, rope)
+        else:
+            out = checkpointed_layer_forward(layer, decisions, x, mask, rope)
         out.backward(torch.ones_like(out))
         layer.zero_grad(set_to_none=True)
 
-    def timed(policy: Policy) -> float:
-        decisions = policy.layer_decisions(0)
+    def timed(policy: Policy | None) -> float:
+        decisions = policy.layer_decisions(0) if policy is not None else None
         with _fork_rng():
             return _timed(lambda: step(decisions), max(3, repeats), sync)
 
+    stock = timed(None)
     keep = timed(Policy.all_keep(1))
     quant = timed(Policy.quantize_all(1))
     recompute = timed(Policy.preset("all-recompute", 1))
@@ -133,7 +140,8 @@ def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, s
     def scale(measured: float, modeled: float) -> float:
         return 1.0 if modeled <= 0 else min(hi, max(lo, measured / modeled))
 
-    return scale(quant - keep, modeled_codec), scale(recompute - keep, modeled_recompute), keep
+    return (scale(quant - keep, modeled_codec), scale(recompute - keep, modeled_recompute), stock,
+            max(0.0, keep - stock))
 
 
 def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | str | None = None,
@@ -245,9 +253,10 @@ def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | 
         op_profiles.append(OpProfile(spec.name, int(s.saved_bytes), float(t), codecs, stash))
 
     log("profile: calibrating codec and recompute times inside the runtime")
-    codec_scale, recompute_scale, keep_step = _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd,
-                                                         repeats, sync)
-    log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}")
+    codec_scale, recompute_scale, keep_step, runtime_overhead = _calibrate(
+        layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, sync)
+    log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
+        f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
 
     layer_params = sum(p.numel() for p in layer.parameters())
     model_params = sum(p.numel() for p in model.parameters())
@@ -265,6 +274,7 @@ def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | 
         segment_times_s=segments,
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
         step_time_s=keep_step, codec_time_scale=codec_scale, recompute_time_scale=recompute_scale,
+        runtime_overhead_s=runtime_overhead,
         source="measured",
         meta={"repeats": repeats, "total_params": int(total_params), "torch": torch.__version__},
     )

@@ -19,10 +19,11 @@ SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_len
 
 
 def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False,
-                   remat: bool = False) -> Problem:
+                   remat: bool = False, runtime: bool = False) -> Problem:
     """Up to 3 choices per op: keep, compress (maybe), recompute (not for op 0). With ``remat``, compressed and
     recomputed ops re-materialize their bytes in backward and there is a workspace, so the transient term
-    (the larger of the two) is part of every memory bound."""
+    (the larger of the two) is part of every memory bound. With ``runtime``, every layer that does not keep
+    everything pays a fixed runtime cost."""
     choices = []
     fwd = [rng.uniform(0.1, 5.0) for _ in range(n_ops)]
     for i in range(n_ops):
@@ -46,7 +47,8 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
                       segment_time=lambda a, b: seg[(a, b)], per_tensor=per_tensor,
                       rng_bytes=float(rng.randint(0, 20)),
                       rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3),
-                      workspace_bytes=float(rng.randint(0, 150)) if remat else 0.0)
+                      workspace_bytes=float(rng.randint(0, 150)) if remat else 0.0,
+                      runtime_overhead_s=rng.uniform(0.0, 3.0) if runtime else 0.0)
     lo = problem.min_feasible_budget(stash=True)
     hi = problem.total_memory([[0] * n_ops] * n_layers, stash=True)
     problem.budget_bytes = lo + frac * max(hi - lo, 0.0)
@@ -114,6 +116,43 @@ def test_heterogeneous_equals_brute_force(seed: int) -> None:
         got = heterogeneous.solve(problem, chain_aware=chain, time_limit_s=None)
         assert got.predicted_time_s == pytest.approx(brute_force_heterogeneous(problem, chain), rel=1e-6, abs=1e-9)
         assert got.predicted_memory_bytes <= problem.budget_bytes
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_runtime_overhead_strategies_equal_brute_force(seed: int) -> None:
+    """The runtime's fixed per-layer cost (which keep-everything layers escape) is outside the MILP objectives:
+    the uniform strategies and the Pareto front must still reach the exhaustive optimum."""
+    rng = random.Random(500 + seed)
+    problem = random_problem(rng, n_ops=rng.randint(2, 4), n_layers=rng.randint(2, 3), frac=rng.uniform(0.5, 1.0),
+                             runtime=True, remat=seed % 2 == 1)
+    assert problem.runtime_overhead_s > 0
+    for strategy, chain in ((paper, False), (chain_aware, True)):
+        got = strategy.solve(problem)
+        want = brute_force.solve(problem, chain_aware=chain)
+        assert got.predicted_time_s == pytest.approx(want.predicted_time_s, rel=1e-6, abs=1e-9)
+    if seed % 2 == 0:  # brute_force_heterogeneous has no transient term
+        for chain in (False, True):
+            got = heterogeneous.solve(problem, chain_aware=chain, time_limit_s=None)
+            assert got.predicted_time_s == pytest.approx(brute_force_heterogeneous(problem, chain), rel=1e-6,
+                                                         abs=1e-9)
+
+
+def test_a_costly_runtime_keeps_most_layers_on_the_stock_forward() -> None:
+    """Just under the keep-everything memory, a large fixed runtime cost makes one layer give up more rather
+    than every layer a little (what Megatron's block recompute of one layer does)."""
+    keep, comp, rec = Decision.keep(), Decision.compress("int4_symmetric"), Decision.recompute()
+    choices = [[Choice(keep, 100, 0.0), Choice(comp, 30, 1.0, 0.5)],
+               [Choice(keep, 10, 0.0), Choice(comp, 3, 0.1, 0.05), Choice(rec, 0, 0.2)]]
+    problem = Problem(choices=choices, num_layers=4, static_bytes=0.0, budget_bytes=4 * 110 - 20,
+                      segment_time=lambda a, b: 0.2, runtime_overhead_s=5.0)
+    got = heterogeneous.solve(problem, chain_aware=True, time_limit_s=None)
+    stock = [p for p in got.layer_picks if problem.is_stock(p)]
+    assert len(stock) == 3 and got.predicted_time_s == pytest.approx(5.0 + 1.0)  # one layer compresses op 0
+    assert got.predicted_time_s == pytest.approx(brute_force_heterogeneous(problem, True))
+    # without the fixed cost, compressing op 1 in three layers is cheaper (3 x 0.1 < 1.0)
+    problem.runtime_overhead_s = 0.0
+    got = heterogeneous.solve(problem, chain_aware=True, time_limit_s=None)
+    assert got.predicted_time_s == pytest.approx(0.3) and sum(problem.is_stock(p) for p in got.layer_picks) == 1
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_adacc.policy.ops import OP_NAMES
+from megatron_adacc.policy.profile import LayerProfile
 from megatron_adacc.testing import memory_cap
 
 ARGV = ["--config", "tiny", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "256",
@@ -53,6 +54,9 @@ def test_profile_measures_every_op(env) -> None:
     # the runtime calibration ran: a keep-all step time and scale factors inside their clamp range
     assert profile.step_time_s and profile.step_time_s > 0
     assert 0.5 <= profile.codec_time_scale <= 20 and 0.5 <= profile.recompute_time_scale <= 20
+    # the runtime's own cost (keep-all in the runtime against megatron's forward), kept through JSON
+    assert 0 <= profile.runtime_overhead_s < profile.step_time_s
+    assert LayerProfile.from_json(profile.to_json()).runtime_overhead_s == profile.runtime_overhead_s
 
 
 def test_predicted_layer_bytes_match_the_runtime(env) -> None:

@@ -101,6 +101,14 @@ def best_over_caps(problem: Problem, room: float | None, solve_capped, *, chain_
             t = problem.layer_time(picks, chain_aware=chain_aware)
             if best is None or t < best[0]:
                 best = (t, picks)
+    # The MILPs' objectives leave out the runtime's fixed cost, which only keep-everything escapes: where it
+    # fits, it wins any tie the solver broke the other way.
+    keep = problem.stock_picks()
+    if keep is not None and (problem.budget_bytes is None or problem.total_memory(
+            [keep] * problem.num_layers, stash=chain_aware) <= problem.budget_bytes):
+        t = problem.layer_time(keep, chain_aware=chain_aware)
+        if best is None or t < best[0]:
+            best = (t, keep)
     return best[1] if best else None
 
 
