@@ -146,7 +146,9 @@ def run(args) -> dict:
         loss_budget = recorded.get("loss_budget_bytes")
         peak_base = recorded.get("loss_budget_from", {}).get("baseline_peak_bytes")
         peak_quant = recorded.get("loss_budget_from", {}).get("quantization_peak_bytes")
-    evolution = (_fig7(batches[-1:] if args.quick else batches[-2:], steps, budget, point) if "fig7" in parts
+    # Fig. 7 at the largest micro-batches Adacc fits (where its policy compresses and recomputes most)
+    fitting = [mb for mb in batches if sweep["adacc"].get(mb, {}).get("fits")] or batches
+    evolution = (_fig7(fitting[-1:] if args.quick else fitting[-2:], steps, budget, point) if "fig7" in parts
                  else _int_keys(recorded.get("evolution", {})))
 
     out = harness.results_dir(args)
