@@ -17,8 +17,11 @@ tight budget really holds: the larger of
 * the bytes one layer re-materializes in its backward while the earlier layers still hold what they
   stored: every recomputed op (a segment is re-run as a whole and its values die as backward consumes
   them; counting all of them is the safe side) plus the largest decompressed op (compressed tensors are
-  decompressed when their op's backward needs them and freed after it, one op at a time). With different
-  policies per layer the largest layer counts.
+  decompressed when their op's backward needs them and freed after it, one op at a time). A decompressed
+  op counts twice: the backward that reads the copy writes the gradient of the same tensor beside it, and
+  a layer that stored it compressed has freed little to make room (measured on cpu-large, micro-batch 8: a
+  mostly-compressed layer peaked 22 MiB above the single count, its largest tensor being 32 MiB). With
+  different policies per layer the largest layer counts.
 
 A keep-everything policy re-materializes nothing, so its peak is the stored activations alone; a policy
 that drops every tensor re-materializes a whole layer during that layer's backward, as Megatron's full
@@ -33,6 +36,10 @@ from dataclasses import dataclass
 from megatron_adacc.policy.ops import OPS, OPS_BY_NAME
 from megatron_adacc.policy.policy import Decision
 from megatron_adacc.policy.profile import LayerProfile
+
+
+DECOMPRESS_GRADIENT_FACTOR = 2.0
+"""A decompressed tensor's transient in units of its size: the copy plus its gradient (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,9 @@ class Choice:
     is not saved for backward anyway (the runtime holds it). The paper's eq. 8 ignores it; the chain-aware
     model counts it."""
     remat_bytes: float = 0.0
-    """Bytes this choice brings back during its layer's backward (M_i for compress and recompute, 0 for keep).
-    A layer's re-materialization is the sum over its recompute choices plus the largest compress choice."""
+    """Bytes this choice brings back during its layer's backward: M_i for recompute, 2 M_i for compress (the
+    copy and its gradient), 0 for keep. A layer's re-materialization is the sum over its recompute choices
+    plus the largest compress choice."""
 
     @property
     def is_recompute(self) -> bool:
@@ -244,7 +252,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
             params = (codec_params or {}).get(codec, {})
             cs.append(Choice(Decision.compress(codec, **params), float(cp.compressed_bytes),
                              (cp.compress_time_s + cp.decompress_time_s) * cs_scale, cp.decompress_time_s * cs_scale,
-                             float(op.stash_bytes.get(codec, 0)), float(op.saved_bytes)))
+                             float(op.stash_bytes.get(codec, 0)), DECOMPRESS_GRADIENT_FACTOR * float(op.saved_bytes)))
         if spec.recomputable:
             cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s * rc_scale,
                              remat_bytes=float(op.saved_bytes)))

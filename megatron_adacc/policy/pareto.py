@@ -27,7 +27,7 @@ class ParetoPoint:
     recompute_bytes: float = 0.0
     """Bytes of the layer's recomputed ops (summed: see :meth:`Problem.layer_remat`)."""
     decompress_bytes: float = 0.0
-    """Bytes of the layer's largest compressed op."""
+    """Re-materialized bytes of the layer's largest compressed op (its copy and gradient)."""
 
     @property
     def remat_bytes(self) -> float:
