@@ -86,3 +86,24 @@ def test_unknown_parts_are_refused_before_anything_runs(tmp_path) -> None:
 def test_a_partial_run_needs_a_recorded_result(tmp_path) -> None:
     with pytest.raises(SystemExit, match="run every part"):
         paper.run(_args(tmp_path, parts="fig7"))
+
+
+def test_fig7_reads_medians_of_alternating_runs_and_a_gap_without_switches_as_noise(tmp_path) -> None:
+    data = _recorded()
+    data["config"]["fig7_repeats"] = 3
+    no_switch = {"adacc_evolution": {"switches": []}}
+    data["evolution"] = {
+        "adacc": {"8": {"tokens_per_s": 1000, "tokens_per_s_runs": [950, 1000, 1080], "extensions": no_switch}},
+        "adacc_no_evolution": {"8": {"tokens_per_s": 1040, "tokens_per_s_runs": [990, 1040, 1060]}}}
+    report = _rebuilt_report(tmp_path, data)
+    assert "| 8 | 1,000 (950-1,080) | 1,040 (990-1,060) | 0.96x |" in report
+    assert "Here: 0.96-0.96x (medians of 3 alternating runs each" in report
+    assert "with 0 policy switch(es) over the runs" in report
+    assert "the runs' ranges overlap, as they should" in report
+
+    switched = {"adacc_evolution": {"switches": [{"iteration": 2}]}}
+    data["evolution"]["adacc"]["8"].update(tokens_per_s=1300, tokens_per_s_runs=[1250, 1300, 1320],
+                                           extensions=switched)
+    report = _rebuilt_report(tmp_path, data)
+    assert "Here: 1.25-1.25x" in report and "with 1 policy switch(es)" in report
+    assert "ranges overlap" not in report
