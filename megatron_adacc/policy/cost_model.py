@@ -37,7 +37,6 @@ from megatron_adacc.policy.ops import OPS, OPS_BY_NAME
 from megatron_adacc.policy.policy import Decision
 from megatron_adacc.policy.profile import LayerProfile
 
-
 DECOMPRESS_GRADIENT_FACTOR = 2.0
 """A decompressed tensor's transient in units of its size: the copy plus its gradient (module docstring)."""
 
