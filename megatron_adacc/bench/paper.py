@@ -17,6 +17,7 @@ RSS from low-fragmentation runs (docs/measuring.md) and the budget is in those t
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from . import harness
@@ -399,6 +400,16 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def _infeasible_bytes(result: dict) -> int | None:
+    """The smallest feasible budget when Adacc refused a point as infeasible (parsed from the error the run
+    ended with, so reports rebuilt from older results read it too); None for any other outcome."""
+    match = _INFEASIBLE.search(result.get("error", ""))
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+_INFEASIBLE = re.compile(r"smallest feasible budget is ([\d,]+) bytes")
+
+
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -429,7 +440,10 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         cells = []
         for name in sweep:
             r = sweep[name][mb]
-            if "error" in r:
+            needs = _infeasible_bytes(r)
+            if needs is not None:
+                cells.append(f"no policy fits (needs {needs / 2**20:.0f} MiB)")
+            elif "error" in r:
                 cells.append("error")
             elif not r["fits"]:
                 cells.append(f"over budget ({r['peak_memory_bytes'] / 2**20:.0f} MiB)")

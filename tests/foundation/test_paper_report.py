@@ -107,3 +107,14 @@ def test_fig7_reads_medians_of_alternating_runs_and_a_gap_without_switches_as_no
     report = _rebuilt_report(tmp_path, data)
     assert "Here: 1.25-1.25x" in report and "with 1 policy switch(es)" in report
     assert "ranges overlap" not in report
+
+
+def test_a_point_adacc_refused_as_infeasible_shows_the_budget_it_needs(tmp_path) -> None:
+    data = _recorded()
+    data["sweep"]["adacc"]["8"] = {
+        "error": "[rank0]: megatron_adacc.policy.strategies.base.InfeasibleBudgetError: no Adacc policy fits the "
+                 "memory budget of 471,859,200 bytes (0.439 GiB); the smallest feasible budget is 482,344,960 bytes",
+        "fits": False}
+    data["sweep"]["quantization"]["8"] = {"error": "RuntimeError: out of memory", "fits": False}
+    report = _rebuilt_report(tmp_path, data)
+    assert "| 8 | over budget (500 MiB) | 720 (350 MiB) | error | no policy fits (needs 460 MiB) | - |" in report
