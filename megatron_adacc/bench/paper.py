@@ -41,6 +41,9 @@ LOSS_METHODS = {
     "baseline_other_seed": ["--seed", "4321"],
 }
 NOISE_REFERENCE = "baseline_other_seed"
+#: Validation batches at the end of each loss curve: the methods' gaps are fractions of a percent, so the
+#: sample the validation loss is taken on should add as little to them as a few seconds of evaluation allow.
+LOSS_EVAL_ITERS = 32
 #: Fig. 7 methods.
 EVOLUTION_METHODS = {
     "adacc": ["--adacc-policy", "auto"],
@@ -175,7 +178,9 @@ def run(args) -> dict:
     config_info = {"throughput_config": config, "loss_config": args.loss_config, "loss_corpus": loss_corpus,
                    "batches": batches,
                    "steps": steps, "loss_steps": loss_steps, "quick": args.quick, "loss_budget_bytes": loss_budget,
-                   "fig7_repeats": repeats if "fig7" in parts else recorded["config"].get("fig7_repeats", 1)}
+                   "fig7_repeats": repeats if "fig7" in parts else recorded["config"].get("fig7_repeats", 1),
+                   "loss_eval_iters": LOSS_EVAL_ITERS if "fig6" in parts
+                   else recorded["config"].get("loss_eval_iters", 8)}
     harness.write_results("paper", config_info, methods, extra=payload, args=args)
     _write_report(args, out, config_info, budget, sweep, max_batch, curves, evolution)
     return methods
@@ -225,7 +230,8 @@ def _fig6(args, loss_steps, corpus: str, workdir: str) -> tuple[dict, int, int, 
     # Fig. 6: loss curves on real text. Under a roomy budget Adacc keeps everything and its curve is the
     # baseline's; the paper's comparison needs Adacc to compress. The loss budget is therefore a quarter of
     # the way from the quantize-all peak to the baseline peak of the loss config (short memory runs).
-    loss_common = ["--config", args.loss_config, "--train-iters", str(loss_steps), "--eval-iters", "8",
+    loss_common = ["--config", args.loss_config, "--train-iters", str(loss_steps),
+                   "--eval-iters", str(LOSS_EVAL_ITERS),
                    "--corpus", corpus]
     short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus]
     print("fig6: measuring baseline and quantization peaks of the loss config ...", flush=True)
@@ -427,7 +433,8 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         f"* versions: python {v['python']}, torch {v['torch']}, megatron-core {v['megatron_core']}, "
         f"codec backend {v.get('codec_backend', '?')}",
         f"* throughput/memory config `{cfg['throughput_config']}`, micro-batches {cfg['batches']}, "
-        f"{cfg['steps']} steps per point; loss config `{cfg['loss_config']}`, {cfg['loss_steps']} steps",
+        f"{cfg['steps']} steps per point; loss config `{cfg['loss_config']}`, {cfg['loss_steps']} steps, "
+        f"validation loss over {cfg.get('loss_eval_iters', 8)} batches",
         f"* memory budget: **{budget / 2**20:.0f} MiB** "
         + ("(peak RSS, low-fragmentation runs)" if m["gpu"] is None else "(max allocated)"),
         "",
@@ -590,8 +597,14 @@ def _loss_reading(curves: dict, base_valid: float | None) -> str:
         parts.append(f"the baseline with another seed lands {other_seed:+.2f}% from the baseline, the run-to-run "
                      "spread against which the other differences are read")
     if adacc is not None:
-        parts.append(f"Adacc {adacc:+.2f}% validation loss against the baseline "
-                     f"({'within' if abs(adacc) <= 0.5 else 'outside'} the paper's 0.5%)")
+        if adacc > 0.5:  # the paper's claim bounds how much worse Adacc may be; lower loss meets it
+            claim = "more than the paper's 0.5% worse" + beyond(adacc).replace(" (", "; ").rstrip(")")
+        elif adacc < -0.5:
+            claim = "lower than the baseline's, which meets the paper's at most 0.5% worse" + \
+                beyond(adacc).replace(" (", "; ").rstrip(")")
+        else:
+            claim = "within the paper's 0.5%"
+        parts.append(f"Adacc {adacc:+.2f}% validation loss against the baseline ({claim})")
     if quant is not None:
         if adacc is None:
             parts.append(f"Quantization {quant:+.2f}%")

@@ -118,3 +118,20 @@ def test_a_point_adacc_refused_as_infeasible_shows_the_budget_it_needs(tmp_path)
     data["sweep"]["quantization"]["8"] = {"error": "RuntimeError: out of memory", "fits": False}
     report = _rebuilt_report(tmp_path, data)
     assert "| 8 | over budget (500 MiB) | 720 (350 MiB) | error | no policy fits (needs 460 MiB) | - |" in report
+
+
+def test_adacc_loss_is_read_one_sided_against_the_paper_and_against_the_spread(tmp_path) -> None:
+    data = _recorded()
+    data["loss_curves"]["baseline_other_seed"] = [3.0, 1.98]
+    data["valid_loss"].update(baseline_other_seed=1.976)  # -1.20% spread
+    data["valid_loss"]["adacc"] = 1.989  # -0.55%: lower loss meets "at most 0.5% worse"
+    report = _rebuilt_report(tmp_path, data)
+    assert ("Adacc -0.55% validation loss against the baseline (lower than the baseline's, which meets the "
+            "paper's at most 0.5% worse; within the run-to-run spread)") in report
+    data["valid_loss"]["adacc"] = 2.019  # +0.95%, inside a 1.2% spread
+    report = _rebuilt_report(tmp_path, data)
+    assert ("Adacc +0.95% validation loss against the baseline (more than the paper's 0.5% worse; within the "
+            "run-to-run spread)") in report
+    data["valid_loss"]["baseline_other_seed"] = 2.006  # +0.30% spread
+    report = _rebuilt_report(tmp_path, data)
+    assert "(more than the paper's 0.5% worse; beyond the run-to-run spread)" in report
