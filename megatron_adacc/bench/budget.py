@@ -190,7 +190,7 @@ def run(args) -> dict:
                             baseline="megatron_full", metrics=METRICS,
                             title=f"budget {budget / 2**20:.1f} MiB (model budget {model_budget / 2**20:.1f} MiB)")
 
-    config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base, "headroom": 0.0,
+    config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base, "headroom": options.headroom,
               "repeats": repeats,
               "model_offset_bytes": int(offset), "profile": ref}
     harness.write_results("budget", config, measured, extra={"budgets": entries}, args=args)

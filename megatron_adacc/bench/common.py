@@ -79,18 +79,26 @@ def train_method(flags: list[str], memory_run: bool = True, timeout: float = 180
     return out
 
 
+def interleaved_runs(run, names, repeats: int) -> dict[str, list]:
+    """``run(name)`` for every name, ``repeats`` rounds in alternation (A B A B ...), so that slow drifts in
+    the machine's speed hit every method alike. Returns each name's results, one per round."""
+    results: dict[str, list] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            results[name].append(run(name))
+    return results
+
+
 def interleaved_step_times(methods: dict[str, list[str]], repeats: int, timeout: float = 1800) -> dict[str, list]:
-    """Fresh timed runs of each method, ``repeats`` rounds in alternation (A B A B ...), so that slow drifts in
-    the machine's speed hit every method alike. Returns each method's step times, one per round.
+    """Fresh timed runs of each method in alternation (:func:`interleaved_runs`); each method's step times.
 
     A comparison against the fastest of many configurations must re-time that configuration this way: its
     sweep time is the minimum of many noisy draws, biased low against a method timed once."""
-    times: dict[str, list] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, flags in methods.items():
-            timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV)
-            times[name].append(timed["step_time_s"])
-    return times
+    def step_time(name: str) -> float:
+        return harness.run_method_subprocess(__name__, {"flags": methods[name]}, timeout=timeout,
+                                             env=_ENV)["step_time_s"]
+
+    return interleaved_runs(step_time, methods, repeats)
 
 
 def _child(payload_path: str) -> None:

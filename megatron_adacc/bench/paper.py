@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 from pathlib import Path
 
 from . import harness
-from .common import keep_all_offset, profile_for, train_method
+from .common import interleaved_runs, keep_all_offset, profile_for, train_method
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
@@ -264,26 +265,24 @@ def _fig7(batches, steps, budget, point, repeats: int = 1) -> dict:
     """Fig. 7: policy evolution on and off, ``repeats`` fresh runs each in alternation (on, off, on, off ...)
     so that the machine's drifts hit both alike; each side reports its median run, with every run's
     throughput kept as ``tokens_per_s_runs``."""
-    import statistics
-
     evolution: dict[str, dict[int, dict]] = {m: {} for m in EVOLUTION_METHODS}
     for mb in batches:
-        runs: dict[str, list[dict]] = {m: [] for m in EVOLUTION_METHODS}
-        for i in range(repeats):
-            for name, flags in EVOLUTION_METHODS.items():
-                print(f"fig7: {name} micro-batch {mb} (run {i + 1} of {repeats}) ...", flush=True)
-                # throughput only: Fig. 7 compares speed, so no separate memory run
-                r = point(flags + ["--train-iters", str(steps * 4)], mb, budget, memory=False)
-                r.pop("losses", None)
-                runs[name].append(r)
-        for name, rs in runs.items():
+        def one(name: str, mb: int = mb) -> dict:
+            print(f"fig7: {name} micro-batch {mb} ...", flush=True)
+            # throughput only: Fig. 7 compares speed, so no separate memory run
+            r = point(EVOLUTION_METHODS[name] + ["--train-iters", str(steps * 4)], mb, budget, memory=False)
+            r.pop("losses", None)
+            return r
+
+        for name, rs in interleaved_runs(one, EVOLUTION_METHODS, repeats).items():
             timed = [r for r in rs if r.get("tokens_per_s")]
             if not timed:
                 evolution[name][mb] = rs[0]
                 continue
             tps = [r["tokens_per_s"] for r in timed]
-            median_run = min(timed, key=lambda r: abs(r["tokens_per_s"] - statistics.median(tps)))
-            evolution[name][mb] = dict(median_run, tokens_per_s=statistics.median(tps), tokens_per_s_runs=tps)
+            median = statistics.median(tps)
+            median_run = min(timed, key=lambda r: abs(r["tokens_per_s"] - median))
+            evolution[name][mb] = dict(median_run, tokens_per_s=median, tokens_per_s_runs=tps)
     return evolution
 
 
@@ -389,7 +388,7 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
     for i, name in enumerate(names):
         ys = [evolution[name].get(mb, {}).get("tokens_per_s") or 0 for mb in mbs]
         # the whiskers span the alternating runs (the bar is their median)
-        runs = [evolution[name].get(mb, {}).get("tokens_per_s_runs") or [y] for mb, y in zip(mbs, ys)]
+        runs = [_runs(evolution[name][mb]) if y else [0] for mb, y in zip(mbs, ys)]
         err = [[y - min(r) for y, r in zip(ys, runs)], [max(r) - y for y, r in zip(ys, runs)]]
         ax.bar([j + i * width for j in range(len(mbs))], ys, width=width, label=name, yerr=err, capsize=4)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(mbs))], [str(m) for m in mbs])
@@ -404,6 +403,11 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _runs(result: dict) -> list[float]:
+    """Every run's throughput of a Fig. 7 point (results recorded before alternating runs hold only one)."""
+    return result.get("tokens_per_s_runs") or [result["tokens_per_s"]]
 
 
 def _infeasible_bytes(result: dict) -> int | None:
@@ -517,7 +521,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
     def cell(r: dict) -> str:
         if not r.get("tokens_per_s"):
             return "error"
-        runs = r.get("tokens_per_s_runs") or []
+        runs = _runs(r)
         spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
         return f"{r['tokens_per_s']:,.0f}{spread}"
 
@@ -547,10 +551,8 @@ def _evolution_reading(evolution: dict, repeats: int) -> str:
     if switches is None:
         return text + "."
     text += f", with {switches} policy switch(es) over the runs"
-    overlap = all(min(on[mb].get("tokens_per_s_runs") or [on[mb]["tokens_per_s"]])
-                  <= max(off[mb].get("tokens_per_s_runs") or [off[mb]["tokens_per_s"]])
-                  and min(off[mb].get("tokens_per_s_runs") or [off[mb]["tokens_per_s"]])
-                  <= max(on[mb].get("tokens_per_s_runs") or [on[mb]["tokens_per_s"]]) for mb in mbs)
+    overlap = all(min(_runs(on[mb])) <= max(_runs(off[mb])) and min(_runs(off[mb])) <= max(_runs(on[mb]))
+                  for mb in mbs)
     if switches == 0:
         text += (". Without a switch both sides train the same policy (tracking iterations run between the timed "
                  "steps), so the ratio measures only the machine: "
@@ -587,10 +589,11 @@ def _loss_reading(curves: dict, base_valid: float | None) -> str:
                                             pct(NOISE_REFERENCE))
     spread = abs(other_seed) if other_seed is not None else None
 
-    def beyond(diff: float) -> str:
+    def beyond(diff: float, sep: str = " (", end: str = ")") -> str:
+        """The difference against the spread, as ``sep`` + phrase + ``end``; empty without a spread."""
         if spread is None:
             return ""
-        return " (beyond the run-to-run spread)" if abs(diff) > spread else " (within the run-to-run spread)"
+        return sep + ("beyond" if abs(diff) > spread else "within") + " the run-to-run spread" + end
 
     parts = []
     if spread is not None:
@@ -598,10 +601,9 @@ def _loss_reading(curves: dict, base_valid: float | None) -> str:
                      "spread against which the other differences are read")
     if adacc is not None:
         if adacc > 0.5:  # the paper's claim bounds how much worse Adacc may be; lower loss meets it
-            claim = "more than the paper's 0.5% worse" + beyond(adacc).replace(" (", "; ").rstrip(")")
+            claim = "more than the paper's 0.5% worse" + beyond(adacc, "; ", "")
         elif adacc < -0.5:
-            claim = "lower than the baseline's, which meets the paper's at most 0.5% worse" + \
-                beyond(adacc).replace(" (", "; ").rstrip(")")
+            claim = "lower than the baseline's, which meets the paper's at most 0.5% worse" + beyond(adacc, "; ", "")
         else:
             claim = "within the paper's 0.5%"
         parts.append(f"Adacc {adacc:+.2f}% validation loss against the baseline ({claim})")
@@ -618,5 +620,5 @@ def _loss_reading(curves: dict, base_valid: float | None) -> str:
                          f"ablation measures nothing here ({no_outlier:+.2f}%)")
         else:
             parts.append(f"without outlier separation {no_outlier:+.2f}% ({no_outlier - adacc:+.2f} points vs "
-                         "Adacc" + beyond(no_outlier - adacc).rstrip(")").replace(" (", "; ") + ")")
+                         "Adacc" + beyond(no_outlier - adacc, "; ", "") + ")")
     return ("; ".join(parts) + ".") if parts else "no loss curves to compare."

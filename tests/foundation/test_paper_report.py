@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_adacc.bench import paper
+from megatron_adacc.policy.strategies.base import InfeasibleBudgetError
 
 
 def _args(tmp_path, **kw) -> SimpleNamespace:
@@ -111,10 +112,8 @@ def test_fig7_reads_medians_of_alternating_runs_and_a_gap_without_switches_as_no
 
 def test_a_point_adacc_refused_as_infeasible_shows_the_budget_it_needs(tmp_path) -> None:
     data = _recorded()
-    data["sweep"]["adacc"]["8"] = {
-        "error": "[rank0]: megatron_adacc.policy.strategies.base.InfeasibleBudgetError: no Adacc policy fits the "
-                 "memory budget of 471,859,200 bytes (0.439 GiB); the smallest feasible budget is 482,344,960 bytes",
-        "fits": False}
+    refusal = InfeasibleBudgetError(450 * 2**20, 460 * 2**20)  # the run's last line, as point() keeps it
+    data["sweep"]["adacc"]["8"] = {"error": f"[rank0]: {type(refusal).__name__}: {refusal}"[:300], "fits": False}
     data["sweep"]["quantization"]["8"] = {"error": "RuntimeError: out of memory", "fits": False}
     report = _rebuilt_report(tmp_path, data)
     assert "| 8 | over budget (500 MiB) | 720 (350 MiB) | error | no policy fits (needs 460 MiB) | - |" in report
@@ -135,3 +134,21 @@ def test_adacc_loss_is_read_one_sided_against_the_paper_and_against_the_spread(t
     data["valid_loss"]["baseline_other_seed"] = 2.006  # +0.30% spread
     report = _rebuilt_report(tmp_path, data)
     assert "(more than the paper's 0.5% worse; beyond the run-to-run spread)" in report
+
+
+def test_fig7_alternates_evolution_on_and_off_and_keeps_the_median_run() -> None:
+    calls, speeds = [], {"adacc": iter([900, 1200, 1000]), "adacc_no_evolution": iter([1100, 1050, 0])}
+
+    def point(flags, mb, budget, memory=True):  # noqa: ANN001 - the bench's point() signature
+        name = "adacc_no_evolution" if "--adacc-no-evolution" in flags else "adacc"
+        calls.append((name, mb, memory))
+        tps = next(speeds[name])
+        return {"tokens_per_s": tps, "run": len(calls), "losses": [1.0]} if tps else {"error": "killed"}
+
+    evolution = paper._fig7([8], steps=6, budget=100, point=point, repeats=3)
+    assert calls == [("adacc", 8, False), ("adacc_no_evolution", 8, False)] * 3
+    on, off = evolution["adacc"][8], evolution["adacc_no_evolution"][8]
+    assert (on["tokens_per_s"], on["tokens_per_s_runs"], on["run"]) == (1000, [900, 1200, 1000], 5)
+    assert "losses" not in on
+    # a failed run is left out of the median, not counted as zero throughput
+    assert (off["tokens_per_s"], off["tokens_per_s_runs"]) == (1075, [1100, 1050])
