@@ -107,6 +107,14 @@ def loss_and_grads(model: torch.nn.Module, batch, rng_seed: int = 7) -> tuple[to
     return loss.detach(), grads
 
 
+def grad_rel_error(grads: dict, ref: dict) -> float:
+    """Global relative gradient error ``||g - g_ref|| / ||g_ref||`` over every parameter in ``ref``."""
+    import torch
+
+    diff = torch.cat([(grads[n] - ref[n]).flatten() for n in ref])
+    return (diff.norm() / torch.cat([ref[n].flatten() for n in ref]).norm()).item()
+
+
 def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] | None = None,
                  timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``script`` under ``torchrun --nproc_per_node nproc`` on 127.0.0.1 and return the completed process.

@@ -10,7 +10,7 @@ from _runtime_helpers import decisions, policy_of
 import megatron_adacc
 from megatron_adacc.policy.policy import Policy
 from megatron_adacc.runtime.checkpoint import MASK_CODEC, MaskCodec
-from megatron_adacc.testing import build_tiny_gpt, loss_and_grads
+from megatron_adacc.testing import build_tiny_gpt, grad_rel_error, loss_and_grads
 from megatron_adacc.training.data import BatchSampler
 from megatron_adacc.training.distributed import set_seed
 
@@ -30,11 +30,6 @@ POLICIES = {
 }
 
 
-def _global_rel_error(grads, ref):
-    diff = torch.cat([(grads[n] - ref[n]).flatten() for n in ref])
-    return (diff.norm() / torch.cat([ref[n].flatten() for n in ref]).norm()).item()
-
-
 @pytest.fixture(scope="module")
 def model():
     m = build_tiny_gpt(seed=5)
@@ -49,7 +44,7 @@ def test_one_step_forward_exact_gradients_bounded(model, batch, name):
     loss, grads = loss_and_grads(model, batch)
     # Compression only changes what backward reads, never the forward.
     assert torch.equal(loss, ref_loss)
-    err = _global_rel_error(grads, ref_grads)
+    err = grad_rel_error(grads, ref_grads)
     assert 0 < err < GRAD_REL_BOUND
     assert all(torch.isfinite(g).all() for g in grads.values())
 
