@@ -8,8 +8,8 @@ import sys
 
 
 def _train(argv: list[str]) -> int:
-    from .training.args import add_train_args, parse_train_args
-    from .training.loop import train
+    from megatron_adacc.training.args import add_train_args, parse_train_args
+    from megatron_adacc.training.loop import train
 
     parser = add_train_args(argparse.ArgumentParser(
         prog="adacc train",
@@ -22,7 +22,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from .bench import harness
+    from megatron_adacc.bench import harness
 
     names = harness.available_benchmarks()
     parser = argparse.ArgumentParser(prog="adacc bench", description="Run a benchmark: methods side by side, "
@@ -41,7 +41,7 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from .compat import quiet_fallback_warnings
+    from megatron_adacc.compat import quiet_fallback_warnings
 
     quiet_fallback_warnings()
     commands = {"train": _train, "bench": _bench}
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in commands:
         return commands[argv[0]](argv[1:])
     if argv[0] in policy_commands:
-        from .policy import cli as policy_cli
+        from megatron_adacc import policy_cli
 
         return policy_cli.main(argv)
     print(f"adacc: unknown command {argv[0]!r}; see `adacc --help`", file=sys.stderr)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .training.data import VOCAB_SIZE
-from .training.distributed import free_port
+from megatron_adacc.training.data import VOCAB_SIZE
+from megatron_adacc.training.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,8 +55,8 @@ def memory_cap(gib: float):
 
 def init_distributed_single(seed: int = 1234) -> None:
     """A world of one over gloo, megatron's parallel state, CPU layer, and seeded RNG tracker (idempotent)."""
-    from .compat import quiet_fallback_warnings
-    from .training import distributed
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training import distributed
 
     quiet_fallback_warnings()
     distributed.initialize(torch.device("cpu"), seed)
@@ -74,7 +74,7 @@ def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, **config_overrides) -
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from .training.distributed import set_seed
+    from megatron_adacc.training.distributed import set_seed
 
     init_distributed_single(seed)
     set_seed(seed)
@@ -88,7 +88,7 @@ def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, **config_overrides) -
 
 def tiny_batch(batch_size: int = 2, seq_length: int = 32, seed: int = 0):
     """A deterministic batch from the embedded corpus: (tokens, position_ids, attention_mask, labels)."""
-    from .training.data import BatchSampler
+    from megatron_adacc.training.data import BatchSampler
 
     b = next(BatchSampler(seq_length, batch_size, seed))
     return b.tokens, b.position_ids, b.attention_mask, b.labels
@@ -96,7 +96,7 @@ def tiny_batch(batch_size: int = 2, seq_length: int = 32, seed: int = 0):
 
 def loss_and_grads(model: torch.nn.Module, batch, rng_seed: int = 7) -> tuple[torch.Tensor, dict]:
     """One forward and backward from a fixed RNG state; returns the loss and a name -> grad copy map."""
-    from .training.distributed import set_seed
+    from megatron_adacc.training.distributed import set_seed
 
     set_seed(rng_seed)
     model.zero_grad(set_to_none=True)

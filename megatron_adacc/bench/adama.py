@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from . import harness
+from megatron_adacc.bench import harness
 
 METHODS = ("adam_accumulation", "adama")
 
@@ -195,9 +195,9 @@ class _Trainer:
     def __init__(self, method: str, args, config, n: int) -> None:
         import torch
 
-        from ..optim.meter import LiveGradientMeter
-        from ..training import distributed
-        from ..training import model as model_lib
+        from megatron_adacc.optim.meter import LiveGradientMeter
+        from megatron_adacc.training import distributed
+        from megatron_adacc.training import model as model_lib
 
         distributed.set_seed(args.seed)
         self.model = model_lib.build_gpt(args, config)
@@ -206,7 +206,7 @@ class _Trainer:
         # Registered before AdamA's hooks, so it sees every gradient before it is released.
         self.meter = LiveGradientMeter(self.model.parameters())
         if method == "adama":
-            from ..optim.megatron import setup_adama
+            from megatron_adacc.optim.megatron import setup_adama
 
             chunks, self.optimizer = setup_adama(args, [self.model], config)
             self.ddp = chunks[0]
@@ -275,11 +275,11 @@ def _time_run(args, config, n: int, data: list) -> dict:
 def _child(payload_path: str) -> None:
     import torch
 
-    from ..compat import quiet_fallback_warnings
-    from ..training import distributed
-    from ..training import model as model_lib
-    from ..training.args import parse_train_args
-    from ..training.data import BatchSampler
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training import distributed
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+    from megatron_adacc.training.data import BatchSampler
 
     quiet_fallback_warnings()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

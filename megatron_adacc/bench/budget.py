@@ -22,8 +22,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from . import harness
-from .common import interleaved_step_times, train_method
+from megatron_adacc.bench import harness
+from megatron_adacc.bench.common import interleaved_step_times, train_method
 
 METRICS = ["step_time_s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss"]
 
@@ -57,10 +57,10 @@ def megatron_configs(num_layers: int, quick: bool) -> dict[str, list[str]]:
 def _profile(flags: list[str]):
     """Profile (or reuse) this config's layer in a child process, as --adacc-policy auto would; the parent
     stays free of torch.distributed so that every training child can start its own."""
-    from ..policy.profile_db import ProfileDB
-    from ..training import model as model_lib
-    from ..training.args import parse_train_args
-    from ..training.distributed import resolve_device
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+    from megatron_adacc.training.distributed import resolve_device
 
     out = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=3600)
     ref = out["ref"]
@@ -74,11 +74,11 @@ def _child(payload_path: str) -> None:
     import json
     import sys
 
-    from ..compat import quiet_fallback_warnings
-    from ..policy.auto import get_or_make_profile
-    from ..training import distributed
-    from ..training import model as model_lib
-    from ..training.args import parse_train_args
+    from megatron_adacc.adacc.integration.auto import get_or_make_profile
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training import distributed
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
 
     quiet_fallback_warnings()
     args = parse_train_args(json.load(open(payload_path))["flags"])
@@ -92,11 +92,11 @@ def _child(payload_path: str) -> None:
 
 
 def run(args) -> dict:
-    from ..policy.io import save_policy
-    from ..policy.policy import Policy
-    from ..policy.signature import model_signature
-    from ..policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
-    from ..policy.strategies import InfeasibleBudgetError, solve
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.policy import Policy
+    from megatron_adacc.adacc.policy.signature import model_signature
+    from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
+    from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, solve
 
     quick = args.quick
     config_name = args.config or ("tiny" if quick else "cpu-large")

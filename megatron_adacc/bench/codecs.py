@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import harness
+from megatron_adacc.bench import harness
 
 CODECS: dict[str, tuple[str, dict]] = {
     "int4_symmetric": ("int4_symmetric", {}),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from . import harness
+from megatron_adacc.bench import harness
 
 #: Adacc's per-layer size profile (one extra layer forward at step 1, for predicted-vs-measured bytes) is a
 #: diagnostic, not part of a method's cost: benchmarks turn it off so it does not show in peak memory.
@@ -45,10 +45,10 @@ def keep_all_offset(flags: list[str], workdir) -> tuple[int, dict]:
     """
     from pathlib import Path
 
-    from ..policy.io import save_policy
-    from ..policy.policy import Policy
-    from ..policy.profile_db import ProfileDB
-    from ..policy.solver import evaluate_policy
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.policy import Policy
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+    from megatron_adacc.adacc.policy.solver import evaluate_policy
 
     out = harness.run_method_subprocess("megatron_adacc.bench.budget", {"flags": flags}, timeout=3600)
     ref = out["ref"]
@@ -102,9 +102,9 @@ def interleaved_step_times(methods: dict[str, list[str]], repeats: int, timeout:
 
 
 def _child(payload_path: str) -> None:
-    from ..compat import quiet_fallback_warnings
-    from ..training.args import parse_train_args
-    from ..training.loop import train
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training.args import parse_train_args
+    from megatron_adacc.training.loop import train
 
     quiet_fallback_warnings()
     flags = json.load(open(payload_path))["flags"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-from . import harness
+from megatron_adacc.bench import harness
 
 METHODS: dict[str, tuple[list[str], dict]] = {
     "gact_L0": (["--gact-level", "L0"], {}),
@@ -88,7 +88,7 @@ def _quick_methods(base: list[str], names: list[str]) -> dict[str, dict]:
 
 
 def _micro_batch(flags: list[str]) -> int:
-    from ..training.args import parse_train_args
+    from megatron_adacc.training.args import parse_train_args
 
     return parse_train_args(flags + ["--no-progress"]).micro_batch_size
 
@@ -129,9 +129,9 @@ def run(args) -> dict:
 
 
 def _child(payload_path: str) -> None:
-    from ..compat import quiet_fallback_warnings
-    from ..training.args import parse_train_args
-    from ..training.loop import train
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training.args import parse_train_args
+    from megatron_adacc.training.loop import train
 
     quiet_fallback_warnings()
     payload = json.load(open(payload_path))

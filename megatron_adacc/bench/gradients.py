@@ -14,7 +14,7 @@ much between seeds as between methods, while this error is deterministic. The CP
 
 from __future__ import annotations
 
-from . import harness
+from megatron_adacc.bench import harness
 
 PLAIN = "int4_symmetric"
 
@@ -25,8 +25,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
     import megatron_adacc
-    from megatron_adacc.policy.ops import OP_NAMES, OPS
-    from megatron_adacc.policy.policy import Decision, Policy
+    from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
+    from megatron_adacc.adacc.policy.policy import Decision, Policy
     from megatron_adacc.testing import build_tiny_gpt, grad_rel_error, loss_and_grads, tiny_batch
 
     model = build_tiny_gpt(seed=args.seed)

@@ -67,16 +67,16 @@ def versions() -> dict:
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
     try:
-        from ..compat import megatron_version
+        from megatron_adacc.compat import megatron_version
 
         out["megatron_core"] = megatron_version()
     except Exception:  # noqa: BLE001 - a benchmark without megatron still reports
         out["megatron_core"] = None
-    from .. import __version__
+    from megatron_adacc import __version__
 
     out["megatron_adacc"] = __version__
     try:
-        from .. import codecs
+        from megatron_adacc import codecs
 
         out["codec_backend"] = codecs.backend()
     except Exception:  # noqa: BLE001
@@ -115,7 +115,7 @@ def _fmt(metric: str, value) -> str:
     if value is None:
         return "-"
     if metric.endswith("_bytes"):
-        from ..training.memory import format_bytes
+        from megatron_adacc.training.memory import format_bytes
 
         return format_bytes(value)
     if metric == "step_time_s":
@@ -168,7 +168,7 @@ def run_method_subprocess(module: str, payload: dict, env: dict | None = None, t
     try:
         launcher = [sys.executable]
         if nproc > 1:
-            from ..training.distributed import free_port
+            from megatron_adacc.training.distributed import free_port
 
             child_env.setdefault("OMP_NUM_THREADS", "1")
             launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",

@@ -21,8 +21,8 @@ import re
 import statistics
 from pathlib import Path
 
-from . import harness
-from .common import interleaved_runs, keep_all_offset, profile_for, train_method
+from megatron_adacc.bench import harness
+from megatron_adacc.bench.common import interleaved_runs, keep_all_offset, profile_for, train_method
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
@@ -82,7 +82,7 @@ def _fits(result: dict, budget: int) -> bool:
 
 
 def run(args) -> dict:
-    from ..arguments import parse_bytes
+    from megatron_adacc.arguments import parse_bytes
 
     if getattr(args, "report_only", False):
         return _rebuild(args)
@@ -219,7 +219,7 @@ def _fig5(args, batches, budget, probe, point) -> tuple[dict, dict]:
 def _loss_corpus(choice: str) -> str:
     if choice != "auto":
         return choice
-    from ..training.corpus import is_available
+    from megatron_adacc.training.corpus import is_available
 
     if is_available("shakespeare"):
         return "shakespeare"

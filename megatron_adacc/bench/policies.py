@@ -26,8 +26,8 @@ from pathlib import Path
 
 import tomllib
 
-from . import harness
-from .common import train_method
+from megatron_adacc.bench import harness
+from megatron_adacc.bench.common import train_method
 
 #: The hand-written mixed policy (op -> action or codec; unlisted ops are kept).
 MIXED = {
@@ -66,8 +66,8 @@ def _num_layers(config: str) -> int:
 
 
 def _mixed_policy_file(num_layers: int, directory: str) -> str:
-    from ..policy.io import save_policy
-    from ..policy.policy import Policy
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.policy import Policy
 
     policy = Policy.uniform(MIXED, num_layers, name="adacc_mixed")
     return str(save_policy(policy, Path(directory) / f"mixed-{num_layers}.json"))
@@ -134,12 +134,12 @@ def _interleaved_overhead(payload: dict) -> dict:
     import statistics
     import time
 
-    from .. import megatron as adacc_megatron
-    from ..compat import quiet_fallback_warnings
-    from ..training import distributed
-    from ..training import model as model_lib
-    from ..training.args import parse_train_args
-    from ..training.data import BatchSampler
+    from megatron_adacc.adacc import integration as adacc_megatron
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training import distributed
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+    from megatron_adacc.training.data import BatchSampler
 
     quiet_fallback_warnings()
     flags = ["--config", payload["config"]]

@@ -6,8 +6,8 @@ low-fragmentation runs (see megatron_adacc/bench/common.py), bytes held for back
 
 from __future__ import annotations
 
-from . import harness
-from .common import train_method
+from megatron_adacc.bench import harness
+from megatron_adacc.bench.common import train_method
 
 METHODS = {
     "megatron_none": [],

@@ -19,7 +19,7 @@ import json
 import statistics
 import sys
 
-from . import harness
+from megatron_adacc.bench import harness
 
 SCHEMES = {
     "no_compression": "off",
@@ -149,8 +149,8 @@ def _reduce_overhead(args, slots: list, names: list[str], reps: int) -> dict[str
 
     import torch
 
-    from ..comm import build_reducer
-    from ..comm.base import ParamSlot
+    from megatron_adacc.comm import build_reducer
+    from megatron_adacc.comm.base import ParamSlot
 
     torch.set_num_threads(1)
     params = [ParamSlot(n, tuple(shape), torch.float32, 0) for n, shape in slots]
@@ -197,11 +197,11 @@ def _child(payload_path: str) -> None:
     """One torchrun rank: train every requested method in turn; rank 0 prints all summaries as JSON."""
     import torch
 
-    from ..comm.extension import measure_model_state
-    from ..compat import quiet_fallback_warnings
-    from ..training import model as model_lib
-    from ..training.args import parse_train_args
-    from ..training.loop import train
+    from megatron_adacc.comm.extension import measure_model_state
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+    from megatron_adacc.training.loop import train
 
     quiet_fallback_warnings()
     runs = json.load(open(payload_path))["runs"]

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import reference
-from ._backend import backend
-from .base import FLOAT_DTYPES, TINY_SCALE, Codec, NonFiniteInputError, Packed
-from .registry import CODECS
+from megatron_adacc.codecs import reference
+from megatron_adacc.codecs._backend import backend
+from megatron_adacc.codecs.base import FLOAT_DTYPES, TINY_SCALE, Codec, NonFiniteInputError, Packed
+from megatron_adacc.codecs.registry import CODECS
 
 
 def get_codec(name: str, **params: Any) -> Codec:
@@ -28,7 +28,7 @@ def get_codec(name: str, **params: Any) -> Codec:
     * ``"int4_outlier"``: ``z_threshold=3.0``
     * ``"stochastic"``: ``bits`` in {1, 2, 4, 8} (default 4), ``group_size=256``
     """
-    from .registry import build
+    from megatron_adacc.codecs.registry import build
 
     return build(name, **params)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import reference
+from megatron_adacc.codecs import reference
 
 _REQUIRE_ENV = "ADACC_REQUIRE_EXT"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Codec, Packed
+from megatron_adacc.codecs.base import Codec, Packed
 
 
 class BitmaskCodec(Codec):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .base import (
+from megatron_adacc.codecs.base import (
     Codec,
     NonFiniteInputError,
     Packed,
@@ -188,7 +188,7 @@ class Int4OutlierCodec(Codec):
         return rows * -(-cols // 2) + 4 * rows + rows * k * _itemsize(dtype) + 4 * k
 
     def compress(self, x: torch.Tensor) -> Packed:
-        from .reference import select_outlier_channels
+        from megatron_adacc.codecs.reference import select_outlier_channels
 
         check_float_input(self.name, x)
         x = x.detach()

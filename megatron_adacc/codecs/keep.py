@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Codec, Packed, _itemsize
+from megatron_adacc.codecs.base import Codec, Packed, _itemsize
 
 
 class KeepCodec(Codec):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import TINY_SCALE
+from megatron_adacc.codecs.base import TINY_SCALE
 
 _M32 = 0xFFFFFFFF
 
@@ -296,6 +296,6 @@ def stochastic_decompress(
 
 def get_codec(name: str, **params):  # noqa: ANN201 - returns a Codec
     """The codec ``name`` running on these pure-torch functions (the oracle the tests compare against)."""
-    from . import registry
+    from megatron_adacc.codecs import registry
 
     return registry.build(name, kernels="reference", **params)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ._backend import kernels as _kernels
-from .base import Codec
-from .bitmask import BitmaskCodec
-from .int4 import Int4AsymmetricCodec, Int4ChannelwiseCodec, Int4OutlierCodec, Int4SymmetricCodec
-from .keep import KeepCodec
-from .stochastic import StochasticCodec
+from megatron_adacc.codecs._backend import kernels as _kernels
+from megatron_adacc.codecs.base import Codec
+from megatron_adacc.codecs.bitmask import BitmaskCodec
+from megatron_adacc.codecs.int4 import Int4AsymmetricCodec, Int4ChannelwiseCodec, Int4OutlierCodec, Int4SymmetricCodec
+from megatron_adacc.codecs.keep import KeepCodec
+from megatron_adacc.codecs.stochastic import StochasticCodec
 
 CODECS: dict[str, type[Codec]] = {
     cls.name: cls

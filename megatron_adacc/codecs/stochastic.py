@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .base import Codec, Packed, check_float_input, packed_group_bytes
-from .int4 import raise_if_bad
+from megatron_adacc.codecs.base import Codec, Packed, check_float_input, packed_group_bytes
+from megatron_adacc.codecs.int4 import raise_if_bad
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 

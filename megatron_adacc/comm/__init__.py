@@ -9,10 +9,10 @@ DDP (:mod:`.megatron_ddp`), torch DDP communication hook (:mod:`.ddp_hook`), and
 
 from __future__ import annotations
 
-from .base import Communicator, Compressor, Memory, ParamSlot
-from .compressors import build_compressor
-from .memories import build_memory
-from .pipeline import CompressedReducer
+from megatron_adacc.comm.base import Communicator, Compressor, Memory, ParamSlot
+from megatron_adacc.comm.compressors import build_compressor
+from megatron_adacc.comm.memories import build_memory
+from megatron_adacc.comm.pipeline import CompressedReducer
 
 
 def build_reducer(
@@ -35,7 +35,7 @@ def build_reducer(
 
 def build_extension(args):
     """The `adacc train` extension for ``--resireduce`` (None when it is ``off``)."""
-    from .extension import ResiReduceExtension
+    from megatron_adacc.comm.extension import ResiReduceExtension
 
     if getattr(args, "resireduce", "off") == "off":
         return None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, PendingExchange
+from megatron_adacc.comm.base import Communicator, PendingExchange
 
 _ALIGN = 8  # every segment starts 8-byte aligned so that byte slices can be viewed as any dtype
 

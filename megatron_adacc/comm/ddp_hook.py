@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Compressor, Memory, ParamSlot
-from .pipeline import CompressedReducer, Traffic
+from megatron_adacc.comm.base import Compressor, Memory, ParamSlot
+from megatron_adacc.comm.pipeline import CompressedReducer, Traffic
 
 
 class ResiReduceHookState:

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from ..training.extension import TrainingContext, TrainingExtension
-from . import build_reducer
-from .megatron_ddp import MegatronAttachment, attach
+from megatron_adacc.comm import build_reducer
+from megatron_adacc.comm.megatron_ddp import MegatronAttachment, attach
+from megatron_adacc.core.extension import TrainingContext, TrainingExtension
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:

@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .base import ParamSlot
+from megatron_adacc.comm.base import ParamSlot
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)?)(?P<index>\d+)\.(?P<suffix>.+)$")
 

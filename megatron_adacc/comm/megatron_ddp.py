@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..compat.versions import megatron_line, megatron_version
-from .base import ParamSlot
-from .pipeline import CompressedReducer
+from megatron_adacc.comm.base import ParamSlot
+from megatron_adacc.comm.pipeline import CompressedReducer
+from megatron_adacc.compat.versions import megatron_line, megatron_version
 
 _MARK = "__megatron_adacc_resireduce__"
 

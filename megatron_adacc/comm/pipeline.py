@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .base import Communicator, Compressor, Memory, PendingExchange
-from .communicator import communicator_for, world_size
+from megatron_adacc.comm.base import Communicator, Compressor, Memory, PendingExchange
+from megatron_adacc.comm.communicator import communicator_for, world_size
 
 
 @dataclass

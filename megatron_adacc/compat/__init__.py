@@ -1,6 +1,6 @@
 """Compatibility with the megatron-core releases we support, and with CPU-only machines."""
 
-from .versions import (
+from megatron_adacc.compat.versions import (
     SUPPORTED_LINES,
     UnsupportedMegatronVersion,
     is_line,

@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from .versions import megatron_line
+from megatron_adacc.compat.versions import megatron_line
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ Quick start (plain PyTorch)::
 Megatron: ``adacc train --gact-level L1`` (see :func:`build_extension`).
 """
 
-from .allocation import BIT_LEVELS, allocate_bits, predicted_variance, variance_factor
-from .controller import Controller, GactVarianceWarning
-from .levels import Level
+from megatron_adacc.gact.allocation import BIT_LEVELS, allocate_bits, predicted_variance, variance_factor
+from megatron_adacc.gact.controller import Controller, GactVarianceWarning
+from megatron_adacc.gact.levels import Level
 
 __all__ = [
     "BIT_LEVELS",
@@ -35,6 +35,6 @@ __all__ = [
 
 def build_extension(args):
     """``TrainingExtension`` for ``adacc train`` from its parsed ``--gact-*`` arguments."""
-    from .megatron import build_extension as _build
+    from megatron_adacc.gact.megatron import build_extension as _build
 
     return _build(args)

@@ -24,23 +24,23 @@ from typing import Any, Self
 
 import torch
 
-from .allocation import (
+from megatron_adacc.gact.allocation import (
     BIT_LEVELS,
     KEEP_BITS,
     allocate_bits,
     predicted_variance,
     variance_factor,
 )
-from .hooks import CodecFactory, SavedTensorCompressor, mix_seed
-from .levels import Level
-from .sensitivity import (
+from megatron_adacc.gact.hooks import CodecFactory, SavedTensorCompressor, mix_seed
+from megatron_adacc.gact.levels import Level
+from megatron_adacc.gact.sensitivity import (
     GradientVarianceMonitor,
     frozen_rng,
     snapshot_gradients,
     squared_distance_inplace,
     zero_gradients,
 )
-from .swap import SwapManager
+from megatron_adacc.gact.swap import SwapManager
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,11 @@ class Controller:
             codec_factory=codec_factory, min_numel=min_numel, swap=self.swap,
         )
         if self.level.recomputes:
-            from .megatron import enable_full_recompute
+            from megatron_adacc.gact.megatron import enable_full_recompute
 
             self.notes.append(enable_full_recompute(self.modules))
         if self.level.efficient_attention:
-            from .megatron import enable_memory_efficient_attention
+            from megatron_adacc.gact.megatron import enable_memory_efficient_attention
 
             self.notes.append(enable_memory_efficient_attention(self.modules))
 

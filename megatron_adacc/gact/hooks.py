@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .allocation import KEEP_BITS
+from megatron_adacc.gact.allocation import KEEP_BITS
 
 CodecFactory = Callable[..., Any]
 

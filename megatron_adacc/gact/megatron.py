@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.training.extension import TrainingContext, TrainingExtension
-
-from .controller import Controller
-from .levels import Level
+from megatron_adacc.core.extension import TrainingContext, TrainingExtension
+from megatron_adacc.gact.controller import Controller
+from megatron_adacc.gact.levels import Level
 
 _MARKER = "__megatron_adacc_patched__"
 

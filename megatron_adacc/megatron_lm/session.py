@@ -125,7 +125,7 @@ class Session:
         """Import the entry points of the enabled features, so a missing one fails before Megatron starts."""
         if self.enabled(ADACC):
             _check_policy_argument(self.args)
-            load(ADACC, "megatron_adacc.megatron", "build_extension")
+            load(ADACC, "megatron_adacc.adacc.integration", "build_extension")
         if self.enabled(RESIREDUCE):
             load(RESIREDUCE, "megatron_adacc.comm", "build_extension")
         if self.enabled(GACT):
@@ -144,7 +144,7 @@ class Session:
         """Install the Adacc runtime and set up every extension; called once per run."""
         if self.attached:
             raise RuntimeError("megatron-adacc is already attached to a model in this process")
-        from megatron_adacc.training.extension import TrainingContext
+        from megatron_adacc.core.extension import TrainingContext
 
         model = list(model) if isinstance(model, (list, tuple)) else [model]
         unwrapped = [_unwrap(chunk) for chunk in model]

@@ -1,5 +1,5 @@
 """`adacc train`: megatron-core GPT training on the embedded corpus, with every feature behind a flag."""
 
-from .extension import TrainingContext, TrainingExtension
+from megatron_adacc.core.extension import TrainingContext, TrainingExtension
 
 __all__ = ["TrainingContext", "TrainingExtension"]

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from ..arguments import add_adacc_args, add_megatron_args
+from megatron_adacc.arguments import add_adacc_args, add_megatron_args
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,7 +48,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="auto: CUDA when available, else CPU (megatron-core with our CPU layer, gloo).")
     add_megatron_args(parser)
     add_adacc_args(parser)
-    from .corpus import CORPORA
+    from megatron_adacc.training.corpus import CORPORA
 
     parser.add_argument("--corpus", choices=CORPORA, default="embedded",
                         help="Training text. embedded: Python's reference documentation, shipped with CPython "

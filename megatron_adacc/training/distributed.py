@@ -24,7 +24,7 @@ def initialize(device: torch.device, seed: int) -> tuple[int, int]:
     from megatron.core import parallel_state
 
     if device.type == "cpu":
-        from ..compat import cpu
+        from megatron_adacc.compat import cpu
 
         cpu.apply()
     if not torch.distributed.is_initialized():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .extension import TrainingExtension
+from megatron_adacc.core.extension import TrainingExtension
 
 
 def check_flag_combinations(args: SimpleNamespace) -> None:
@@ -32,9 +32,9 @@ def build_extensions(args: SimpleNamespace, config) -> list[TrainingExtension]:
     """The extensions the flags ask for, in the order their hooks should nest (outermost first)."""
     extensions: list[TrainingExtension] = []
     if args.adacc_policy != "none":
-        from ..megatron import build_extension as adacc_extension
-        from ..policy import Policy
-        from ..policy.evolution import build_extension as evolution_extension
+        from megatron_adacc.adacc.integration import build_extension as adacc_extension
+        from megatron_adacc.adacc.integration.evolution import build_extension as evolution_extension
+        from megatron_adacc.adacc.policy import Policy
 
         adacc = adacc_extension(args, config)
         extensions.append(adacc)
@@ -43,11 +43,11 @@ def build_extensions(args: SimpleNamespace, config) -> list[TrainingExtension]:
         if evolution is not None:
             extensions.append(evolution)
     if args.gact_level != "L0":
-        from ..gact import build_extension as gact_extension
+        from megatron_adacc.gact import build_extension as gact_extension
 
         extensions.append(gact_extension(args))
     if args.resireduce != "off":
-        from ..comm import build_extension as comm_extension
+        from megatron_adacc.comm import build_extension as comm_extension
 
         extensions.append(comm_extension(args))
     return extensions

@@ -2,7 +2,7 @@
 
 The loop is Megatron-LM's ``train_step`` without pipeline parallelism: zero the grad buffer, run the
 micro-batches (all but the last under ``no_sync``), finish the gradient reduction, step the optimizer.
-Features join through :mod:`megatron_adacc.training.extension`.
+Features join through :mod:`megatron_adacc.core.extension`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from types import SimpleNamespace
 
 import torch
 
-from . import distributed
-from . import model as model_lib
-from .data import BatchSampler
-from .extension import TrainingContext
-from .features import build_extensions, check_flag_combinations
-from .memory import SavedTensorMeter, format_bytes, peak_memory_bytes, reset_peak_memory
+from megatron_adacc.core.extension import TrainingContext
+from megatron_adacc.training import distributed
+from megatron_adacc.training import model as model_lib
+from megatron_adacc.training.data import BatchSampler
+from megatron_adacc.training.features import build_extensions, check_flag_combinations
+from megatron_adacc.training.memory import SavedTensorMeter, format_bytes, peak_memory_bytes, reset_peak_memory
 
 
 def num_microbatches(args: SimpleNamespace, world: int) -> int:
@@ -63,7 +63,7 @@ def train(args: SimpleNamespace, return_model: bool = False):
 
     model = model_lib.build_gpt(args, config).to(device)
     if args.adama:
-        from ..optim.megatron import setup_adama
+        from megatron_adacc.optim.megatron import setup_adama
 
         chunks, optimizer = setup_adama(args, [model], config)
         ddp = chunks[0]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .data import VOCAB_SIZE
+from megatron_adacc.training.data import VOCAB_SIZE
 
 
 def transformer_config(args: SimpleNamespace, device: torch.device):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_adacc.policy.strategies.base import InfeasibleBudgetError
+from megatron_adacc.adacc.policy.strategies.base import InfeasibleBudgetError
 from megatron_adacc.training.args import parse_train_args
 from megatron_adacc.training.loop import train
 
@@ -14,7 +14,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 def _uninstall(monkeypatch, tmp_path):
     monkeypatch.setenv("ADACC_PROFILE_DB", str(tmp_path / "profile.sqlite"))
     yield
-    from megatron_adacc.megatron import uninstall
+    from megatron_adacc.adacc.integration import uninstall
 
     uninstall()
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_adacc.adacc.policy.strategies.base import InfeasibleBudgetError
 from megatron_adacc.bench import paper
-from megatron_adacc.policy.strategies.base import InfeasibleBudgetError
 
 
 def _args(tmp_path, **kw) -> SimpleNamespace:

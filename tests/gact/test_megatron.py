@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_adacc import gact
+from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.gact.megatron import GactExtension
-from megatron_adacc.training.extension import TrainingContext
 
 pytest.importorskip("megatron.core")
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, memory_cap, tiny_batch  # noqa: E402

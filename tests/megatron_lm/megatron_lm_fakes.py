@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from megatron_adacc import megatron_lm
-from megatron_adacc.training.extension import TrainingExtension
+from megatron_adacc.core.extension import TrainingExtension
 
 
 def megatron_args(*argv: str, **megatron_defaults: Any) -> argparse.Namespace:

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from megatron_adacc.policy.evolution import PolicyEvolution, tracking_iterations
-from megatron_adacc.policy.ops import OUTLIER_CODEC
-from megatron_adacc.policy.profile import analytic_profile
-from megatron_adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
+from megatron_adacc.adacc.integration.evolution import PolicyEvolution, tracking_iterations
+from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC
+from megatron_adacc.adacc.policy.profile import analytic_profile
+from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
 
 SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=256, micro_batch_size=2,
            dtype="float32", num_layers=8, megatron_core_version="0.16.1")
@@ -105,7 +105,7 @@ def test_outliers_growing_past_the_budget_forces_a_switch() -> None:
 def test_no_evolution_flag_disables_it() -> None:
     from types import SimpleNamespace
 
-    from megatron_adacc.policy.evolution import build_extension
+    from megatron_adacc.adacc.integration.evolution import build_extension
 
     _, _, _, policy = setup(lambda it: 1.0)
     assert build_extension(SimpleNamespace(adacc_no_evolution=True), None, policy) is None

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from megatron_adacc.policy.cost_model import Choice, Problem, build_problem
-from megatron_adacc.policy.pareto import pareto_front
-from megatron_adacc.policy.policy import Decision
-from megatron_adacc.policy.profile import analytic_profile
-from megatron_adacc.policy.strategies import InfeasibleBudgetError, brute_force, chain_aware, heterogeneous, paper
+from megatron_adacc.adacc.policy.cost_model import Choice, Problem, build_problem
+from megatron_adacc.adacc.policy.pareto import pareto_front
+from megatron_adacc.adacc.policy.policy import Decision
+from megatron_adacc.adacc.policy.profile import analytic_profile
+from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, brute_force, chain_aware, heterogeneous, paper
 
 SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=128, micro_batch_size=2,
            dtype="float32", num_layers=12, megatron_core_version="0.16.1")
@@ -244,7 +244,7 @@ def test_hand_computed_two_op_instance() -> None:
 
 
 def test_headroom_keeps_a_fraction_of_the_budget_free_and_names_the_budget_it_needs() -> None:
-    from megatron_adacc.policy.solver import SolveOptions, solve_policy
+    from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
 
     prof = analytic_profile(SIG)
     probe = build_problem(prof, None)
@@ -263,7 +263,7 @@ def test_headroom_keeps_a_fraction_of_the_budget_free_and_names_the_budget_it_ne
 def test_no_outlier_separation_swaps_outlier_int4_for_per_token_int4_and_nothing_else() -> None:
     """The paper's "Adacc w/o outlier" ablation: the same MILP, with plain per-token INT4 offered wherever the
     layer-specific codec is outlier-separated INT4."""
-    from megatron_adacc.policy.solver import SolveOptions, solve_policy
+    from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
 
     prof = analytic_profile(SIG)
     probe = build_problem(prof, None)

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_adacc.policy import Decision, Policy, load_policy, save_policy
-from megatron_adacc.policy.io import SCHEMA_PATH, PolicySchemaError, policy_from_json, policy_to_json
-from megatron_adacc.policy.ops import OP_NAMES, OPS
-from megatron_adacc.policy.schema import render
-from megatron_adacc.policy.signature import SignatureMismatchError, model_signature
+from megatron_adacc.adacc.policy import Decision, Policy, load_policy, save_policy
+from megatron_adacc.adacc.policy.io import SCHEMA_PATH, PolicySchemaError, policy_from_json, policy_to_json
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
+from megatron_adacc.adacc.policy.schema import render
+from megatron_adacc.adacc.policy.signature import SignatureMismatchError, model_signature
 
 SIG = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
            dtype="float32", num_layers=3, megatron_core_version="0.16.1")
@@ -132,7 +132,7 @@ def test_model_signature_from_config_and_args() -> None:
 
 
 def test_published_schema_is_in_sync() -> None:
-    assert SCHEMA_PATH.read_text() == render(), "run: python -m megatron_adacc.policy.schema"
+    assert SCHEMA_PATH.read_text() == render(), "run: python -m megatron_adacc.adacc.policy.schema"
 
 
 def test_published_schema_accepts_a_written_policy() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_adacc.policy.ops import OP_NAMES
-from megatron_adacc.policy.profile import LayerProfile
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.testing import memory_cap
 
 ARGV = ["--config", "tiny", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "256",
@@ -16,7 +16,7 @@ ARGV = ["--config", "tiny", "--device", "cpu", "--num-layers", "2", "--hidden-si
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from megatron_adacc.policy.profiler import profile_layer
+    from megatron_adacc.adacc.integration.profiler import profile_layer
     from megatron_adacc.training import distributed
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
@@ -61,9 +61,9 @@ def test_profile_measures_every_op(env) -> None:
 
 def test_predicted_layer_bytes_match_the_runtime(env) -> None:
     """Solve for a budget between the extremes, run the policy through the runtime, compare bytes."""
-    from megatron_adacc.megatron import install, uninstall
-    from megatron_adacc.policy.solver import SolveOptions, make_problem, solve_policy
-    from megatron_adacc.runtime import accounting
+    from megatron_adacc.adacc.integration import install, uninstall
+    from megatron_adacc.adacc.policy.solver import SolveOptions, make_problem, solve_policy
+    from megatron_adacc.adacc.runtime import accounting
     from megatron_adacc.testing import build_tiny_gpt, tiny_batch
 
     args, _, profile = env
@@ -89,11 +89,11 @@ def test_predicted_layer_bytes_match_the_runtime(env) -> None:
 
 
 def test_auto_reuses_the_stored_profile(env, monkeypatch) -> None:
-    from megatron_adacc.policy import auto
+    from megatron_adacc.adacc.integration import auto
 
     args, config, profile = env
     calls = []
-    monkeypatch.setattr("megatron_adacc.policy.profiler.profile_layer",
+    monkeypatch.setattr("megatron_adacc.adacc.integration.profiler.profile_layer",
                         lambda *a, **k: calls.append(1) or profile)
     args.adacc_memory_budget = 10 * 2**30
     logs: list[str] = []
@@ -104,14 +104,14 @@ def test_auto_reuses_the_stored_profile(env, monkeypatch) -> None:
     assert p1.layers == p2.layers and p1.profile["id"] == p2.profile["id"]
     assert all(d.action == "keep" for d in p1.layers[0])  # 10 GiB: nothing to save
     args.adacc_memory_budget = 1000
-    from megatron_adacc.policy.strategies import InfeasibleBudgetError
+    from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 
     with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget is"):
         auto.make_policy(args, config, log=logs.append)
 
 
 def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
-    from megatron_adacc.policy.cli import main
+    from megatron_adacc.policy_cli import main
 
     args, _, _ = env
     out = tmp_path / "pol.json"
@@ -127,10 +127,10 @@ def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
 
 def test_runtime_stats_feed_evolution(env) -> None:
     """The evolution's statistics source reads what the runtime measured for int4_outlier tensors."""
-    from megatron_adacc.megatron import install, uninstall
-    from megatron_adacc.policy import Policy
-    from megatron_adacc.policy.evolution import PolicyEvolution, RuntimeStats
-    from megatron_adacc.runtime import accounting
+    from megatron_adacc.adacc.integration import install, uninstall
+    from megatron_adacc.adacc.integration.evolution import PolicyEvolution, RuntimeStats
+    from megatron_adacc.adacc.policy import Policy
+    from megatron_adacc.adacc.runtime import accounting
     from megatron_adacc.testing import build_tiny_gpt, tiny_batch
 
     _, _, profile = env

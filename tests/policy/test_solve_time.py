@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from megatron_adacc.policy.profile import analytic_profile
-from megatron_adacc.policy.solver import SolveOptions, make_problem
-from megatron_adacc.policy.strategies import solve
+from megatron_adacc.adacc.policy.profile import analytic_profile
+from megatron_adacc.adacc.policy.solver import SolveOptions, make_problem
+from megatron_adacc.adacc.policy.strategies import solve
 
 SIG = dict(hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, seq_length=2048, micro_batch_size=1,
            dtype="bfloat16", num_layers=96, megatron_core_version="0.16.1")

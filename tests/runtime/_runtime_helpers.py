@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_adacc.policy.ops import OP_NAMES
-from megatron_adacc.policy.policy import Decision, Policy
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.policy import Decision, Policy
 
 
 def decisions(recompute=(), compress=None, default="keep") -> dict[str, Decision]:

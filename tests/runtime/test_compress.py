@@ -8,8 +8,8 @@ import torch
 from _runtime_helpers import decisions, policy_of
 
 import megatron_adacc
-from megatron_adacc.policy.policy import Policy
-from megatron_adacc.runtime.checkpoint import MASK_CODEC, MaskCodec
+from megatron_adacc.adacc.policy.policy import Policy
+from megatron_adacc.adacc.runtime.checkpoint import MASK_CODEC, MaskCodec
 from megatron_adacc.testing import build_tiny_gpt, grad_rel_error, loss_and_grads
 from megatron_adacc.training.data import BatchSampler
 from megatron_adacc.training.distributed import set_seed

@@ -12,9 +12,9 @@ import torch
 from _runtime_helpers import decisions, grads_equal, policy_of
 
 import megatron_adacc
-from megatron_adacc.policy.ops import OP_NAMES
-from megatron_adacc.policy.policy import Policy
-from megatron_adacc.runtime.checkpoint import checkpointed_layer_forward
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.policy import Policy
+from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads
 from megatron_adacc.training.distributed import set_seed
 
@@ -100,7 +100,7 @@ def test_random_keep_recompute_mixes_per_layer(model, batch, reference, seed):
 def test_recompute_really_replays_dropout(model, batch, reference):
     """Guards the tests above: recomputing under another RNG state gives different gradients, so equality means
     the saved RNG states were restored."""
-    from megatron_adacc.runtime import checkpoint
+    from megatron_adacc.adacc.runtime import checkpoint
 
     original = checkpoint._replay_rng
     checkpoint._replay_rng = lambda states: original(None)  # re-run with whatever state is current

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from megatron_adacc.adacc.policy.ops import OP_NAMES
 from megatron_adacc.bench import gradients
-from megatron_adacc.policy.ops import OP_NAMES
 
 
 def test_every_op_is_measured_and_the_codecs_beat_plain_int4_where_the_paper_says_they_should(tmp_path) -> None:

@@ -10,11 +10,11 @@ import torch
 from _runtime_helpers import decisions, grads_equal, policy_of
 
 import megatron_adacc
-from megatron_adacc import megatron as glue
-from megatron_adacc.megatron import UnsupportedConfigError, check_config, check_layer, entry_points
-from megatron_adacc.policy.io import save_policy
-from megatron_adacc.policy.policy import Policy
-from megatron_adacc.runtime import accounting
+from megatron_adacc.adacc.integration import UnsupportedConfigError, check_config, check_layer, entry_points
+from megatron_adacc.adacc.integration import dispatch as glue
+from megatron_adacc.adacc.policy.io import save_policy
+from megatron_adacc.adacc.policy.policy import Policy
+from megatron_adacc.adacc.runtime import accounting
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, tiny_config
 
 

@@ -8,11 +8,11 @@ import torch
 from _runtime_helpers import decisions, policy_of
 
 import megatron_adacc
-from megatron_adacc.policy.ops import OP_NAMES
-from megatron_adacc.policy.policy import Policy
-from megatron_adacc.runtime import memory_report, predict_layer_memory, profile_layer_sizes
-from megatron_adacc.runtime.checkpoint import checkpointed_layer_forward
-from megatron_adacc.runtime.memory import _codecs_of
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.policy import Policy
+from megatron_adacc.adacc.runtime import memory_report, predict_layer_memory, profile_layer_sizes
+from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward
+from megatron_adacc.adacc.runtime.memory import _codecs_of
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, tiny_batch
 from megatron_adacc.training.memory import SavedTensorMeter
 
@@ -52,9 +52,9 @@ def test_all_keep_matches_hand_count_and_independent_meter(model, batch):
     with SavedTensorMeter(params) as meter:
         out = layer(hidden_states=x, attention_mask=batch[2])[0]
     del out
-    megatron_adacc.runtime.accounting.clear()
+    megatron_adacc.adacc.runtime.accounting.clear()
     checkpointed_layer_forward(layer, decisions(), x, batch[2], layer_index=0)
-    measured = megatron_adacc.runtime.accounting.latest()[0].total_bytes
+    measured = megatron_adacc.adacc.runtime.accounting.latest()[0].total_bytes
     # The meter also counts the attention mask, which every layer shares; the runtime leaves it out of the
     # per-layer figure.
     shared_mask = batch[2].untyped_storage().nbytes()
@@ -64,24 +64,24 @@ def test_all_keep_matches_hand_count_and_independent_meter(model, batch):
 def test_a_keep_all_layer_runs_megatrons_forward_and_is_still_counted(model, batch, monkeypatch):
     """The dispatcher sends a layer whose policy keeps everything to megatron's own forward (no op
     decomposition); its bytes are still filed, equal to the runtime's own count."""
-    import megatron_adacc.runtime.checkpoint as ck
-    from megatron_adacc.runtime.checkpoint import stock_layer_forward
+    import megatron_adacc.adacc.runtime.checkpoint as ck
+    from megatron_adacc.adacc.runtime.checkpoint import stock_layer_forward
 
     layer = model.decoder.layers[0]
     x = torch.randn(S, B, H, requires_grad=True)
-    megatron_adacc.runtime.accounting.clear()
+    megatron_adacc.adacc.runtime.accounting.clear()
     stock_layer_forward(layer, x, batch[2], layer_index=0)
-    stock = megatron_adacc.runtime.accounting.latest()[0]
+    stock = megatron_adacc.adacc.runtime.accounting.latest()[0]
     assert stock.stock_bytes > 0 and stock.total_bytes == _hand_count_all_keep()
 
     calls = []
     monkeypatch.setattr(ck, "checkpointed_layer_forward",
                         lambda *a, **k: calls.append(1) or pytest.fail("keep-all layer took the runtime path"))
     megatron_adacc.install(policy_of([decisions(), decisions(recompute=["activation"])]), config=model.config)
-    megatron_adacc.runtime.accounting.clear()
+    megatron_adacc.adacc.runtime.accounting.clear()
     with pytest.raises(BaseException, match="runtime path"):
         loss_and_grads(model, batch)  # layer 0 keeps everything: megatron's forward; layer 1 needs the runtime
-    assert megatron_adacc.runtime.accounting.latest()[0].stock_bytes == stock.stock_bytes
+    assert megatron_adacc.adacc.runtime.accounting.latest()[0].stock_bytes == stock.stock_bytes
 
 
 def _policies() -> dict[str, Policy]:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_adacc.policy.ops import OP_NAMES
-from megatron_adacc.runtime.ops import PRODUCER, initial_env, layer_ops, run_ops, segment_inputs
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.runtime.ops import PRODUCER, initial_env, layer_ops, run_ops, segment_inputs
 from megatron_adacc.testing import build_tiny_gpt
 from megatron_adacc.training.distributed import set_seed
 

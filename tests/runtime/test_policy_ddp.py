@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from _runtime_helpers import decisions, policy_of
 
-from megatron_adacc.policy.io import save_policy
+from megatron_adacc.adacc.policy.io import save_policy
 from megatron_adacc.testing import run_torchrun
 
 WORKER = Path(__file__).with_name("ddp_policy_worker.py")

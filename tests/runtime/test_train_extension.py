@@ -1,7 +1,7 @@
 """`adacc train --adacc-policy ...` in process: the extension installs the policy, training matches stock
 Megatron where the policy is exact, and the reported bytes add up."""
 
-from megatron_adacc import megatron as glue
+from megatron_adacc.adacc.integration import dispatch as glue
 from megatron_adacc.training.args import parse_train_args
 from megatron_adacc.training.loop import train
 

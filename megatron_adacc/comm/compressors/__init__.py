@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..base import Compressor
-from .dgc import DGCCompressor
-from .none import NoneCompressor
-from .qsgd import QSGDCompressor
-from .topk import TopKCompressor
+from megatron_adacc.comm.base import Compressor
+from megatron_adacc.comm.compressors.dgc import DGCCompressor
+from megatron_adacc.comm.compressors.none import NoneCompressor
+from megatron_adacc.comm.compressors.qsgd import QSGDCompressor
+from megatron_adacc.comm.compressors.topk import TopKCompressor
 
 COMPRESSORS = ("topk", "dgc", "qsgd", "none")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..base import Compressor, PayloadSpec
-from .topk import check_density, k_for
+from megatron_adacc.comm.base import Compressor, PayloadSpec
+from megatron_adacc.comm.compressors.topk import check_density, k_for
 
 
 class DGCCompressor(Compressor):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..base import Compressor, PayloadSpec
+from megatron_adacc.comm.base import Compressor, PayloadSpec
 
 
 class NoneCompressor(Compressor):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..base import Compressor, PayloadSpec
+from megatron_adacc.comm.base import Compressor, PayloadSpec
 
 
 class QSGDCompressor(Compressor):

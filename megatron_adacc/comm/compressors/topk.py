@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..base import Compressor, PayloadSpec
+from megatron_adacc.comm.base import Compressor, PayloadSpec
 
 
 def k_for(numel: int, density: float) -> int:

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from ..base import Memory
-from .none import NoneMemory
-from .residual import ResidualMemory
-from .resireduce_2d import ResiReduce2D, RowColumnSelection
-from .resireduce_a import ResiReduceA, uniform_weights
-from .resireduce_d import ResiReduceD, RowSelection
-from .resireduce_w import ResiReduceW, significance_weights
-from .resireduce_w2d import ResiReduceW2D
+from megatron_adacc.comm.base import Memory
+from megatron_adacc.comm.memories.none import NoneMemory
+from megatron_adacc.comm.memories.residual import ResidualMemory
+from megatron_adacc.comm.memories.resireduce_2d import ResiReduce2D, RowColumnSelection
+from megatron_adacc.comm.memories.resireduce_a import ResiReduceA, uniform_weights
+from megatron_adacc.comm.memories.resireduce_d import ResiReduceD, RowSelection
+from megatron_adacc.comm.memories.resireduce_w import ResiReduceW, significance_weights
+from megatron_adacc.comm.memories.resireduce_w2d import ResiReduceW2D
 
 SCHEMES = ("none", "residual", "a", "w", "d", "2d", "w+2d")
 

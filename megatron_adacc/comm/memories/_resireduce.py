@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..base import Memory, ParamSlot
-from ..groups import Group, GroupPlan, build_groups
-from .residual import dtype_bytes
+from megatron_adacc.comm.base import Memory, ParamSlot
+from megatron_adacc.comm.groups import Group, GroupPlan, build_groups
+from megatron_adacc.comm.memories.residual import dtype_bytes
 
 #: ``weights(residuals) -> [w_1, ..., w_alpha]`` for the members of one reusable group.
 Weighting = Callable[[Sequence[torch.Tensor]], list[float]]

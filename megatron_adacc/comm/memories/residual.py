@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..base import Memory, ParamSlot
+from megatron_adacc.comm.base import Memory, ParamSlot
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

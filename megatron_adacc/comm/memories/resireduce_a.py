@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._resireduce import ResiReduceMemory
+from megatron_adacc.comm.memories._resireduce import ResiReduceMemory
 
 
 def uniform_weights(residuals: Sequence[torch.Tensor]) -> list[float]:

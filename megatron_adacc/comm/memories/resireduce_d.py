@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._resireduce import INDEX_DTYPE, IntraLayerScheme, ResiReduceMemory, check_ratio, kept
-from .residual import dtype_bytes
+from megatron_adacc.comm.memories._resireduce import INDEX_DTYPE, IntraLayerScheme, ResiReduceMemory, check_ratio, kept
+from megatron_adacc.comm.memories.residual import dtype_bytes
 
 
 class RowSelection(IntraLayerScheme):

@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from ._resireduce import ResiReduceMemory
+from megatron_adacc.comm.memories._resireduce import ResiReduceMemory
 
 
 def significance_weights(residuals: Sequence[torch.Tensor], phi: float = 0.5) -> list[float]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from ._resireduce import ResiReduceMemory
-from .resireduce_2d import RowColumnSelection
-from .resireduce_w import significance_weights
+from megatron_adacc.comm.memories._resireduce import ResiReduceMemory
+from megatron_adacc.comm.memories.resireduce_2d import RowColumnSelection
+from megatron_adacc.comm.memories.resireduce_w import significance_weights
 
 
 class ResiReduceW2D(ResiReduceMemory):

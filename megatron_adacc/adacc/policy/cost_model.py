@@ -1,0 +1,275 @@
+"""The cost model of the MILP: per-op choices with their memory and time, and the layer cost functions.
+
+Two cost models share one problem description:
+
+* ``paper`` (eq. 4): recomputing op i costs T_comp_i, compressing it T_c_i + T_dc_i, keeping it nothing.
+* ``chain-aware``: consecutive recomputed ops form one segment recomputed from the nearest stored input, at
+  the segment's own (measured) time ``segment_time(a, b)``; when that stored input is compressed it is
+  decompressed once more for the recompute. With ``per_tensor=True`` every dropped tensor is
+  rematerialized on its own from the nearest stored input, so an op whose input was also dropped costs
+  the whole segment before it (``sum_k segment_time(a, k)``).
+
+Memory is the same in both: eq. 7-8's M_static + N_layer x sum_i M_i x (CRate_i or 1 or 0), plus the
+transient peak on top of the stored activations, which the paper leaves out and which decides whether a
+tight budget really holds: the larger of
+
+* ``workspace_bytes``, the policy-independent transient (the logits and their gradient), and
+* the bytes one layer re-materializes in its backward while the earlier layers still hold what they
+  stored: every recomputed op (a segment is re-run as a whole and its values die as backward consumes
+  them; counting all of them is the safe side) plus the largest decompressed op (compressed tensors are
+  decompressed when their op's backward needs them and freed after it, one op at a time). A decompressed
+  op counts twice: the backward that reads the copy writes the gradient of the same tensor beside it, and
+  a layer that stored it compressed has freed little to make room (measured on cpu-large, micro-batch 8: a
+  mostly-compressed layer peaked 22 MiB above the single count, its largest tensor being 32 MiB). With
+  different policies per layer the largest layer counts.
+
+A keep-everything policy re-materializes nothing, so its peak is the stored activations alone; a policy
+that drops every tensor re-materializes a whole layer during that layer's backward, as Megatron's full
+recompute does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME
+from megatron_adacc.adacc.policy.policy import Decision
+from megatron_adacc.adacc.policy.profile import LayerProfile
+
+DECOMPRESS_GRADIENT_FACTOR = 2.0
+"""A decompressed tensor's transient in units of its size: the copy plus its gradient (module docstring)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One option for one op: its decision, the bytes it leaves stored, and its paper-model time."""
+
+    decision: Decision
+    memory_bytes: float
+    time_s: float
+    """T_comp (recompute), T_c + T_dc (compress) or 0 (keep)."""
+    decompress_s: float = 0.0
+    """T_dc alone, for the chain-aware extra decompression of a compressed segment input."""
+    stash_bytes: float = 0.0
+    """Extra bytes when the op's output is the stored input of a recompute segment that follows it and
+    is not saved for backward anyway (the runtime holds it). The paper's eq. 8 ignores it; the chain-aware
+    model counts it."""
+    remat_bytes: float = 0.0
+    """Bytes this choice brings back during its layer's backward: M_i for recompute, 2 M_i for compress (the
+    copy and its gradient), 0 for keep. A layer's re-materialization is the sum over its recompute choices
+    plus the largest compress choice."""
+
+    @property
+    def is_recompute(self) -> bool:
+        return self.decision.action == "recompute"
+
+
+@dataclass
+class Problem:
+    """One layer's choices, repeated over ``num_layers`` identical layers, under a memory budget."""
+
+    choices: list[list[Choice]]
+    num_layers: int
+    static_bytes: float
+    budget_bytes: float | None
+    segment_time: Callable[[int, int], float]
+    """Time to recompute ops a..b (inclusive) as one segment from stored inputs."""
+    workspace_bytes: float = 0.0
+    layer_fixed_bytes: float = 0.0
+    """Held by every layer whatever its decisions (the layer input)."""
+    rng_bytes: float = 0.0
+    """Held by every recompute segment that contains an op of ``rng_ops`` (saved RNG states)."""
+    rng_ops: frozenset[int] | None = None
+    """Indices of ops that draw random numbers; defaults to the layer's dropout ops."""
+    per_tensor: bool = False
+    redecompress_segment_input: bool = True
+    runtime_overhead_s: float = 0.0
+    """Fixed time of a layer that runs through the runtime's op decomposition; a layer that keeps every
+    activation runs megatron's own forward and does not pay it."""
+    op_names: list[str] | None = None
+    """Defaults to the transformer layer's ops when there are 13 choice lists, else ``op0, op1, ...``."""
+
+    def __post_init__(self) -> None:
+        if self.op_names is None:
+            self.op_names = ([op.name for op in OPS] if len(self.choices) == len(OPS)
+                             else [f"op{i}" for i in range(len(self.choices))])
+        if self.rng_ops is None:
+            self.rng_ops = frozenset(i for i, name in enumerate(self.op_names)
+                                     if name in OPS_BY_NAME and OPS_BY_NAME[name].uses_rng)
+        if len(self.choices) != len(self.op_names):
+            raise ValueError(f"{len(self.choices)} choice lists for {len(self.op_names)} ops")
+        if any(c.is_recompute for c in self.choices[0]):
+            raise ValueError("the first op is the layer's checkpoint and cannot be recomputed (eq. 6)")
+        for i, cs in enumerate(self.choices):
+            if not cs:
+                raise ValueError(f"op {self.op_names[i]!r} has no choice")
+            for c in cs:
+                if c.memory_bytes < 0 or c.time_s < 0:
+                    raise ValueError(f"op {self.op_names[i]!r}: negative memory or time in {c}")
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.choices)
+
+    @property
+    def fixed_bytes(self) -> float:
+        """M_static plus every layer's input: what the stored decisions must fit beside."""
+        return self.static_bytes + self.num_layers * self.layer_fixed_bytes
+
+    def min_layer_memory(self) -> float:
+        return sum(min(c.memory_bytes for c in cs) for cs in self.choices)
+
+    def min_feasible_budget(self, *, stash: bool = False) -> int:
+        """The smallest budget any policy fits: the least ``fixed + N x stored + transient`` over the
+        Pareto-optimal layer policies (with ``stash``, counting segment-input stashes). Mixing layer policies
+        cannot beat the best one used everywhere: its stored bytes are no larger than any mix's average and
+        its re-materialization no larger than the mix's largest."""
+        import math
+
+        from megatron_adacc.adacc.policy.pareto import pareto_front
+
+        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.remat_bytes])
+                   for p in pareto_front(self, chain_aware=stash))
+        return int(math.ceil(self.fixed_bytes + best))
+
+    def transient_bytes(self, layer_remats: Sequence[float]) -> float:
+        """The transient peak on top of the stored activations: the workspace or the largest layer's
+        re-materialization, whichever is larger (they are not live at the same time)."""
+        return max([self.workspace_bytes, *layer_remats])
+
+    def layer_remat(self, picks: Sequence[int]) -> float:
+        """Bytes one layer with ``picks`` re-materializes in its backward: every recomputed op and the
+        largest decompressed one."""
+        chosen = [self.choices[i][k] for i, k in enumerate(picks)]
+        return (sum(c.remat_bytes for c in chosen if c.is_recompute)
+                + max([0.0] + [c.remat_bytes for c in chosen if not c.is_recompute]))
+
+    # ------------------------------------------------------------------------------- evaluating a layer
+    def layer_memory(self, picks: Sequence[int], *, stash: bool = False) -> float:
+        """Bytes one layer holds (eq. 8's sum), plus segment-input stashes when ``stash``."""
+        total = sum(self.choices[i][k].memory_bytes for i, k in enumerate(picks))
+        if stash:
+            i, n = 0, len(picks)
+            while i < n:
+                if not self.choices[i][picks[i]].is_recompute:
+                    i += 1
+                    continue
+                a = i
+                while i < n and self.choices[i][picks[i]].is_recompute:
+                    i += 1
+                total += self.segment_memory(a, i - 1, self.choices[a - 1][picks[a - 1]])
+        return total
+
+    def segment_memory(self, a: int, b: int, before: Choice) -> float:
+        """Extra bytes a recompute segment a..b holds: its stored input when nothing else saves it (only
+        the immediately preceding op's output is modeled) and, with a dropout inside, the RNG states."""
+        rng = self.rng_bytes if any(i in self.rng_ops for i in range(a, b + 1)) else 0.0
+        return before.stash_bytes + rng
+
+    def stock_picks(self) -> list[int] | None:
+        """The keep-everything picks, or None when some op offers no keep choice."""
+        picks = [next((k for k, c in enumerate(cs) if c.decision.action == "keep"), None) for cs in self.choices]
+        return None if None in picks else picks
+
+    def is_stock(self, picks: Sequence[int]) -> bool:
+        """Whether a layer with ``picks`` keeps every activation (and so runs megatron's own forward)."""
+        return all(self.choices[i][k].decision.action == "keep" for i, k in enumerate(picks))
+
+    def layer_time(self, picks: Sequence[int], *, chain_aware: bool) -> float:
+        """The per-layer overhead time of ``picks`` (one choice index per op) under either cost model."""
+        fixed = 0.0 if self.is_stock(picks) else self.runtime_overhead_s
+        if not chain_aware:
+            return fixed + sum(self.choices[i][k].time_s for i, k in enumerate(picks))
+        total = fixed
+        i, n = 0, self.num_ops
+        while i < n:
+            c = self.choices[i][picks[i]]
+            if not c.is_recompute:
+                total += c.time_s
+                i += 1
+                continue
+            a = i
+            while i < n and self.choices[i][picks[i]].is_recompute:
+                i += 1
+            total += self.segment_cost(a, i - 1, self.choices[a - 1][picks[a - 1]])
+        return total
+
+    def segment_cost(self, a: int, b: int, before: Choice) -> float:
+        """Chain-aware cost of the maximal recompute segment a..b whose stored input is ``before``'s output."""
+        if self.per_tensor:
+            cost = sum(self.segment_time(a, k) for k in range(a, b + 1))
+        else:
+            cost = self.segment_time(a, b)
+        if self.redecompress_segment_input:
+            cost += before.decompress_s
+        return cost
+
+    def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
+        return (self.fixed_bytes + sum(self.layer_memory(p, stash=stash) for p in layer_picks)
+                + self.transient_bytes([self.layer_remat(p) for p in layer_picks]))
+
+    def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
+        return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)
+
+    def decisions(self, picks: Sequence[int]) -> list[Decision]:
+        return [self.choices[i][k].decision for i, k in enumerate(picks)]
+
+
+def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: str = "default",
+                  num_layers: int | None = None, static_bytes: float | None = None,
+                  per_tensor: bool = False, redecompress_segment_input: bool = True,
+                  only_codec: str | None = None, codec_params: dict[str, dict] | None = None,
+                  codec_substitutes: dict[str, str] | None = None,
+                  allow: Callable[[str, Decision], bool] | None = None) -> Problem:
+    """The MILP's problem from a profile.
+
+    ``codecs="default"`` offers each op the paper's three choices (keep, its layer-specific codec,
+    recompute); ``codecs="all"`` offers every applicable codec the profile measured. ``only_codec`` offers
+    that one codec instead (e.g. ``stochastic`` for ``--adacc-codec gact``) wherever it applies.
+    ``codec_params`` sets the parameters written into compress decisions (e.g. the outlier Z threshold).
+    ``codec_substitutes`` offers another codec in place of a default one where the op accepts it (e.g.
+    ``{"int4_outlier": "int4_symmetric"}``: the paper's "Adacc w/o outlier" ablation).
+    ``allow(op, decision)`` can veto choices.
+    """
+    if codecs not in ("default", "all"):
+        raise ValueError(f"codecs must be 'default' or 'all', got {codecs!r}")
+    cs_scale, rc_scale = profile.codec_time_scale, profile.recompute_time_scale
+    choices: list[list[Choice]] = []
+    for spec, op in zip(OPS, profile.ops):
+        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, float(op.stash_bytes.get("keep", 0)))]
+        names = spec.codecs if codecs == "all" else (spec.default_codec,)
+        if codec_substitutes:
+            names = tuple(dict.fromkeys(codec_substitutes.get(n, n) for n in names
+                                        if codec_substitutes.get(n, n) in spec.codecs))
+        if only_codec is not None:
+            names = (only_codec,) if only_codec in spec.codecs else ()
+        for codec in names:
+            if codec not in op.codecs:
+                continue
+            cp = op.codecs[codec]
+            params = (codec_params or {}).get(codec, {})
+            cs.append(Choice(Decision.compress(codec, **params), float(cp.compressed_bytes),
+                             (cp.compress_time_s + cp.decompress_time_s) * cs_scale, cp.decompress_time_s * cs_scale,
+                             float(op.stash_bytes.get(codec, 0)), DECOMPRESS_GRADIENT_FACTOR * float(op.saved_bytes)))
+        if spec.recomputable:
+            cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s * rc_scale,
+                             remat_bytes=float(op.saved_bytes)))
+        if allow is not None:
+            cs = [c for c in cs if allow(spec.name, c.decision)]
+        if not cs:
+            raise ValueError(f"every choice of op {spec.name!r} was vetoed")
+        choices.append(cs)
+    return Problem(
+        choices=choices,
+        num_layers=int(num_layers if num_layers is not None else profile.signature["num_layers"]),
+        static_bytes=float(profile.static_bytes if static_bytes is None else static_bytes),
+        budget_bytes=budget_bytes,
+        segment_time=profile.scaled_segment_time,
+        workspace_bytes=float(profile.workspace_bytes),
+        layer_fixed_bytes=float(profile.layer_fixed_bytes),
+        rng_bytes=float(profile.rng_bytes),
+        per_tensor=per_tensor,
+        redecompress_segment_input=redecompress_segment_input,
+        runtime_overhead_s=float(profile.runtime_overhead_s),
+    )

@@ -1,0 +1,206 @@
+"""Policy files: versioned JSON, validated on load with errors that name the offending field.
+
+The published schema is ``policy.schema.json`` beside this module (JSON Schema draft 2020-12) and is
+described in ``docs/policy-schema.md``. Validation here is hand-written so that the package needs no
+``jsonschema`` dependency and every error names the field path (``layers[3].decisions[2].codec``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME
+from megatron_adacc.adacc.policy.policy import Decision, Policy
+from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS, check_signature
+
+FORMAT = "megatron-adacc-policy"
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("policy.schema.json")
+
+
+class PolicySchemaError(ValueError):
+    """A policy file does not follow the schema; ``field`` is the path of the offending field."""
+
+    def __init__(self, field: str, problem: str, source: str | None = None):
+        self.field = field
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}invalid policy file: field '{field}' {problem}")
+
+
+# ------------------------------------------------------------------------------------------ writing
+def policy_to_json(policy: Policy) -> dict[str, Any]:
+    """The JSON object of a policy (schema version :data:`SCHEMA_VERSION`)."""
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "name": policy.name,
+        "model_signature": dict(policy.signature) if policy.signature is not None else None,
+        "budget_bytes": policy.budget_bytes,
+        "ops": list(OP_NAMES),
+        "layers": [
+            {"decisions": [{"op": op, **d.to_json()} for op, d in zip(OP_NAMES, layer)]}
+            for layer in policy.layers
+        ],
+        "predicted": dict(policy.predicted),
+        "solver": dict(policy.solver),
+        "profile": dict(policy.profile) if policy.profile is not None else None,
+    }
+
+
+def save_policy(policy: Policy, path: str | os.PathLike) -> Path:
+    """Write ``policy`` to ``path`` (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(policy_to_json(policy), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _require(obj: dict, key: str, path: str, types: type | tuple[type, ...], *, nullable: bool = False) -> Any:
+    if key not in obj:
+        raise PolicySchemaError(f"{path}{key}", "is missing")
+    value = obj[key]
+    if value is None and nullable:
+        return None
+    # bool is an int in Python; a JSON true is never a valid count
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise PolicySchemaError(f"{path}{key}", f"must be {_type_name(types)}, got a boolean")
+    if not isinstance(value, types):
+        raise PolicySchemaError(f"{path}{key}", f"must be {_type_name(types)}{' or null' if nullable else ''}, "
+                                f"got {type(value).__name__} {value!r}"[:200])
+    return value
+
+
+def _type_name(types: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
+             bool: "a boolean"}
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(names.get(t, t.__name__) for t in ts)
+
+
+def _decision_from_json(obj: Any, path: str, op: str) -> Decision:
+    if not isinstance(obj, dict):
+        raise PolicySchemaError(path, f"must be an object, got {type(obj).__name__}")
+    name = _require(obj, "op", path + ".", str)
+    if name != op:
+        raise PolicySchemaError(f"{path}.op", f"is {name!r} but position says {op!r} (ops must follow "
+                                f"the forward order {', '.join(OP_NAMES)})")
+    action = _require(obj, "action", path + ".", str)
+    if action not in ACTIONS:
+        raise PolicySchemaError(f"{path}.action", f"is {action!r}; expected one of {', '.join(ACTIONS)}")
+    spec = OPS_BY_NAME[op]
+    if action == "recompute" and not spec.recomputable:
+        raise PolicySchemaError(f"{path}.action", f"op {op!r} is the layer's checkpoint and cannot be "
+                                "recomputed (eq. 6); use keep or compress")
+    if action != "compress":
+        extra = [k for k in ("codec",) if obj.get(k) is not None]
+        if extra:
+            raise PolicySchemaError(f"{path}.codec", f"must be absent for action {action!r}")
+        return Decision(action)
+    codec = _require(obj, "codec", path + ".", str)
+    if codec not in CODECS:
+        raise PolicySchemaError(f"{path}.codec", f"is {codec!r}; known codecs: {', '.join(CODECS)}")
+    if codec not in spec.codecs:
+        raise PolicySchemaError(f"{path}.codec", f"{codec!r} does not apply to op {op!r}; "
+                                f"it accepts {', '.join(spec.codecs)}")
+    params = obj.get("codec_params", {})
+    if not isinstance(params, dict):
+        raise PolicySchemaError(f"{path}.codec_params", f"must be an object, got {type(params).__name__}")
+    for k, v in params.items():
+        if not isinstance(v, (int, float, str, bool)) or (isinstance(v, float) and not math.isfinite(v)):
+            raise PolicySchemaError(f"{path}.codec_params.{k}", f"must be a finite number, string or boolean, "
+                                    f"got {v!r}")
+    return Decision("compress", codec, dict(params))
+
+
+def policy_from_json(obj: Any, *, source: str | None = None) -> Policy:
+    """Validate a decoded policy file and build the :class:`Policy`."""
+    try:
+        return _policy_from_json(obj)
+    except PolicySchemaError as e:
+        if source is None:
+            raise
+        raise PolicySchemaError(e.field, str(e).split(f"field '{e.field}' ", 1)[1], source) from None
+
+
+def _policy_from_json(obj: Any) -> Policy:
+    if not isinstance(obj, dict):
+        raise PolicySchemaError("$", f"must be a JSON object, got {type(obj).__name__}")
+    fmt = _require(obj, "format", "", str)
+    if fmt != FORMAT:
+        raise PolicySchemaError("format", f"is {fmt!r}; expected {FORMAT!r}")
+    version = _require(obj, "schema_version", "", int)
+    if version != SCHEMA_VERSION:
+        raise PolicySchemaError("schema_version", f"is {version}; this megatron-adacc reads version "
+                                f"{SCHEMA_VERSION} (re-solve the policy with this version)")
+    name = _require(obj, "name", "", str, nullable=True) if "name" in obj else None
+    sig = _require(obj, "model_signature", "", dict, nullable=True)
+    if sig is not None:
+        for f in SIGNATURE_FIELDS:
+            if f not in sig:
+                raise PolicySchemaError(f"model_signature.{f}", "is missing")
+            want = str if f in ("dtype", "megatron_core_version") else int
+            _require(sig, f, "model_signature.", want)
+        unknown = sorted(set(sig) - set(SIGNATURE_FIELDS))
+        if unknown:
+            raise PolicySchemaError(f"model_signature.{unknown[0]}", "is not a signature field "
+                                    f"(fields: {', '.join(SIGNATURE_FIELDS)})")
+    budget = _require(obj, "budget_bytes", "", int, nullable=True)
+    if budget is not None and budget <= 0:
+        raise PolicySchemaError("budget_bytes", f"must be positive, got {budget}")
+    ops = _require(obj, "ops", "", list)
+    if list(ops) != list(OP_NAMES):
+        raise PolicySchemaError("ops", f"is {ops}; this megatron-adacc decides on the ops "
+                                f"{list(OP_NAMES)} in that order")
+    layers_json = _require(obj, "layers", "", list)
+    if not layers_json:
+        raise PolicySchemaError("layers", "must hold at least one layer")
+    layers: list[list[Decision]] = []
+    for index, layer in enumerate(layers_json):
+        lp = f"layers[{index}]"
+        if not isinstance(layer, dict):
+            raise PolicySchemaError(lp, f"must be an object, got {type(layer).__name__}")
+        decs = _require(layer, "decisions", lp + ".", list)
+        if len(decs) != len(OP_NAMES):
+            raise PolicySchemaError(f"{lp}.decisions", f"has {len(decs)} entries; expected {len(OP_NAMES)}, "
+                                    "one per op")
+        layers.append([_decision_from_json(d, f"{lp}.decisions[{i}]", op)
+                       for i, (d, op) in enumerate(zip(decs, OP_NAMES))])
+    if sig is not None and sig["num_layers"] != len(layers):
+        raise PolicySchemaError("layers", f"has {len(layers)} layers but model_signature.num_layers is "
+                                f"{sig['num_layers']}")
+    predicted = _require(obj, "predicted", "", dict) if "predicted" in obj else {}
+    for k, v in predicted.items():
+        if k == "per_layer":
+            continue
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise PolicySchemaError(f"predicted.{k}", f"must be a number or null, got {v!r}")
+    solver = _require(obj, "solver", "", dict) if "solver" in obj else {}
+    profile = _require(obj, "profile", "", dict, nullable=True) if "profile" in obj else None
+    return Policy(layers=layers, signature=sig, budget_bytes=budget, predicted=predicted, solver=solver,
+                  profile=profile, name=name)
+
+
+def load_policy(path: str | os.PathLike, *, signature: dict[str, Any] | None = None) -> Policy:
+    """Read and validate a policy file; with ``signature``, refuse a policy made for another model."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy file {str(path)!r} does not exist (make one with `adacc solve`, or "
+                                "use --adacc-policy auto|keep|recompute|quantize-all)")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PolicySchemaError("$", f"is not valid JSON: {e}", str(path)) from None
+    policy = policy_from_json(obj, source=str(path))
+    if signature is not None:
+        check_signature(f"policy {path}", policy.signature, signature)
+        if policy.signature is None and policy.num_layers != signature.get("num_layers"):
+            raise ValueError(f"policy {path} has {policy.num_layers} layers but the model has "
+                             f"{signature.get('num_layers')}")
+    return policy

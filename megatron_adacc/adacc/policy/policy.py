@@ -1,0 +1,195 @@
+"""Policy objects: one decision (keep, compress with a codec, recompute) per op of every transformer layer."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, OPS_BY_NAME
+
+DEFAULT_CODEC_PARAMS: dict[str, dict[str, Any]] = {
+    # Z-score threshold of eq. 1; 3 is the paper's setting.
+    "int4_outlier": {"z_threshold": 3.0},
+}
+"""Parameters written into policy files when a caller names a codec without parameters."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one op's output activation."""
+
+    action: str
+    codec: str | None = None
+    codec_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown action {self.action!r}; expected one of {', '.join(ACTIONS)}")
+        if self.action == "compress":
+            if self.codec not in CODECS:
+                raise ValueError(f"compress needs a codec, one of {', '.join(CODECS)}; got {self.codec!r}")
+        elif self.codec is not None:
+            raise ValueError(f"action {self.action!r} takes no codec (got {self.codec!r})")
+
+    @staticmethod
+    def keep() -> Decision:
+        return Decision("keep")
+
+    @staticmethod
+    def recompute() -> Decision:
+        return Decision("recompute")
+
+    @staticmethod
+    def compress(codec: str, **params: Any) -> Decision:
+        merged = dict(DEFAULT_CODEC_PARAMS.get(codec, {}))
+        merged.update(params)
+        return Decision("compress", codec, merged)
+
+    @property
+    def label(self) -> str:
+        """Short human label: ``keep``, ``recompute`` or ``compress:<codec>``."""
+        return f"compress:{self.codec}" if self.action == "compress" else self.action
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"action": self.action}
+        if self.action == "compress":
+            out["codec"] = self.codec
+            out["codec_params"] = dict(self.codec_params)
+        return out
+
+    def __hash__(self) -> int:  # codec_params is a dict; hash its sorted items
+        return hash((self.action, self.codec, tuple(sorted(self.codec_params.items()))))
+
+
+def parse_decision(value: str | Decision, op: str) -> Decision:
+    """Turn ``keep`` / ``recompute`` / ``compress`` (the op's default codec) / a codec name into a Decision."""
+    if isinstance(value, Decision):
+        return value
+    spec = OPS_BY_NAME[op]
+    if value in ("keep", "recompute"):
+        return Decision(value)
+    if value == "compress":
+        return Decision.compress(spec.default_codec)
+    if value.startswith("compress:"):
+        value = value.split(":", 1)[1]
+    if value in CODECS:
+        if value not in spec.codecs:
+            raise ValueError(f"codec {value!r} does not apply to op {op!r}; it accepts {', '.join(spec.codecs)}")
+        return Decision.compress(value)
+    raise ValueError(f"cannot read {value!r} as a decision for op {op!r}: use keep, recompute, compress, "
+                     f"or a codec name ({', '.join(CODECS)})")
+
+
+@dataclass
+class Policy:
+    """Per-layer, per-op decisions plus the metadata stored in a policy file.
+
+    ``layers[l][i]`` is the decision on the output of ``OPS[i]`` in transformer layer ``l`` (0-based,
+    counted within this pipeline stage).
+    """
+
+    layers: list[list[Decision]]
+    signature: dict[str, Any] | None = None
+    """The model signature the policy was made for (see :func:`model_signature`); None = any model."""
+    budget_bytes: int | None = None
+    predicted: dict[str, Any] = field(default_factory=dict)
+    """``memory_bytes``, ``static_bytes``, ``activation_bytes``, ``time_s`` (per-iteration overhead) ..."""
+    solver: dict[str, Any] = field(default_factory=dict)
+    """``strategy``, ``status``, ``solve_time_s``, switches used."""
+    profile: dict[str, Any] | None = None
+    """Reference to the profile the policy was solved from (database path, profile id, device)."""
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        for index, layer in enumerate(self.layers):
+            if len(layer) != len(OPS):
+                raise ValueError(f"layer {index} has {len(layer)} decisions; expected {len(OPS)} "
+                                 f"({', '.join(OP_NAMES)})")
+            for op, d in zip(OPS, layer):
+                if d.action == "recompute" and not op.recomputable:
+                    raise ValueError(f"layer {index}: op {op.name!r} is the layer's checkpoint and cannot be "
+                                     "recomputed")
+                if d.action == "compress" and d.codec not in op.codecs:
+                    raise ValueError(f"layer {index}: codec {d.codec!r} does not apply to op {op.name!r}; "
+                                     f"it accepts {', '.join(op.codecs)}")
+
+    # ----------------------------------------------------------------------------------------- access
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def decision(self, layer: int, op: str) -> Decision:
+        return self.layers[layer][OP_NAMES.index(op)]
+
+    def layer_decisions(self, layer: int) -> dict[str, Decision]:
+        return dict(zip(OP_NAMES, self.layers[layer]))
+
+    def is_uniform(self) -> bool:
+        return all(layer == self.layers[0] for layer in self.layers)
+
+    def same_decisions(self, other: Policy) -> bool:
+        return self.layers == other.layers
+
+    def copy(self) -> Policy:
+        return copy.deepcopy(self)
+
+    # ---------------------------------------------------------------------------------- construction
+    @classmethod
+    def uniform(cls, spec: str | Decision | Mapping[str, str | Decision] | Sequence[str | Decision],
+                num_layers: int, **meta: Any) -> Policy:
+        """The same decisions in every layer.
+
+        ``spec`` is one action or codec for every op (``"keep"``, ``"recompute"``, ``"compress"`` for
+        each op's default codec, or a codec name), a map ``{op: action-or-codec}`` (missing ops are kept),
+        or a sequence with one entry per op. With a single ``"recompute"``, the first op stays kept,
+        because it is the layer's checkpoint.
+        """
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if isinstance(spec, (str, Decision)):
+            layer = []
+            for op in OPS:
+                if not op.recomputable and (spec == "recompute" or
+                                            (isinstance(spec, Decision) and spec.action == "recompute")):
+                    layer.append(Decision.keep())
+                else:
+                    layer.append(parse_decision(spec, op.name))
+        elif isinstance(spec, Mapping):
+            unknown = set(spec) - set(OP_NAMES)
+            if unknown:
+                raise ValueError(f"unknown op(s) {sorted(unknown)}; the ops are {', '.join(OP_NAMES)}")
+            layer = [parse_decision(spec.get(op, "keep"), op) for op in OP_NAMES]
+        else:
+            if len(spec) != len(OPS):
+                raise ValueError(f"need one decision per op ({len(OPS)}), got {len(spec)}")
+            layer = [parse_decision(v, op) for v, op in zip(spec, OP_NAMES)]
+        return cls(layers=[list(layer) for _ in range(num_layers)], **meta)
+
+    @classmethod
+    def all_keep(cls, num_layers: int) -> Policy:
+        return cls.uniform("keep", num_layers, name="keep")
+
+    @classmethod
+    def all_recompute(cls, num_layers: int) -> Policy:
+        """Megatron-style full recompute: only the layer's checkpoint (first op's output) is stored."""
+        return cls.uniform("recompute", num_layers, name="recompute")
+
+    @classmethod
+    def quantize_all(cls, num_layers: int) -> Policy:
+        """The paper's Quantization baseline: every activation plain INT4 (per-group symmetric)."""
+        return cls.uniform("int4_symmetric", num_layers, name="quantize-all")
+
+    @classmethod
+    def preset(cls, name: str, num_layers: int) -> Policy:
+        """A named preset: ``keep``, ``recompute`` or ``quantize-all`` (underscores accepted)."""
+        key = name.replace("_", "-").lower()
+        table = {"keep": cls.all_keep, "all-keep": cls.all_keep, "recompute": cls.all_recompute,
+                 "all-recompute": cls.all_recompute, "quantize-all": cls.quantize_all}
+        if key not in table:
+            raise ValueError(f"unknown policy preset {name!r}; presets are keep, recompute, quantize-all")
+        return table[key](num_layers)
+
+
+PRESET_NAMES: tuple[str, ...] = ("keep", "recompute", "quantize-all")

@@ -1,0 +1,243 @@
+"""Profile data model: what the profiler measured for one transformer layer of one model on one device.
+
+Times are seconds for one micro-batch through one layer; bytes are per layer. ``crate`` follows the paper's
+CRate_i: compressed bytes / original bytes (a fraction, so memory = M_i x CRate_i).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
+
+PROFILE_VERSION = 3
+"""2: ``workspace_bytes`` is only the policy-independent transient (version 1 also counted one layer's
+activations, which the cost model now derives per policy)."""
+
+
+@dataclass
+class CodecProfile:
+    """One codec applied to one op's output."""
+
+    compressed_bytes: int
+    compress_time_s: float
+    decompress_time_s: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    """Data-dependent statistics, e.g. ``outlier_channels`` and ``channels`` for ``int4_outlier``."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"compressed_bytes": int(self.compressed_bytes), "compress_time_s": float(self.compress_time_s),
+                "decompress_time_s": float(self.decompress_time_s), "stats": dict(self.stats)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> CodecProfile:
+        return cls(int(obj["compressed_bytes"]), float(obj["compress_time_s"]), float(obj["decompress_time_s"]),
+                   dict(obj.get("stats", {})))
+
+
+@dataclass
+class OpProfile:
+    """One op's output activation: size, time to (re)compute, and every applicable codec measured."""
+
+    name: str
+    saved_bytes: int
+    """M_i: bytes the output holds for backward when kept."""
+    forward_time_s: float
+    """T_comp_i: time to recompute the op from its stored inputs."""
+    codecs: dict[str, CodecProfile] = field(default_factory=dict)
+    stash_bytes: dict[str, int] = field(default_factory=dict)
+    """Extra bytes to hold this op's outputs as the stored input of a following recompute segment, per
+    storage (``keep`` or a codec name); 0 when the outputs are saved for backward anyway."""
+
+    def crate(self, codec: str) -> float:
+        """CRate of ``codec`` on this op (compressed / original bytes)."""
+        if self.saved_bytes <= 0:
+            return 0.0
+        return self.codecs[codec].compressed_bytes / self.saved_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "saved_bytes": int(self.saved_bytes), "forward_time_s": float(self.forward_time_s),
+                "codecs": {k: v.to_json() for k, v in self.codecs.items()},
+                "stash_bytes": {k: int(v) for k, v in self.stash_bytes.items()}}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> OpProfile:
+        return cls(str(obj["name"]), int(obj["saved_bytes"]), float(obj["forward_time_s"]),
+                   {k: CodecProfile.from_json(v) for k, v in obj.get("codecs", {}).items()},
+                   {k: int(v) for k, v in obj.get("stash_bytes", {}).items()})
+
+
+@dataclass
+class LayerProfile:
+    """The profile of one transformer layer (all layers of a GPT stage are identical)."""
+
+    device: str
+    signature: dict[str, Any]
+    ops: list[OpProfile]
+    static_bytes: int = 0
+    """M_static: parameters, gradients and optimizer states (and anything else not an activation)."""
+    workspace_bytes: int = 0
+    """Policy-independent transient memory on top of the stored activations at the peak (the logits and
+    their gradient); the bytes a layer re-materializes in backward are added per policy by the cost model."""
+    layer_fixed_bytes: int = 0
+    """Bytes every layer holds whatever its policy (its input, the checkpoint the runtime always keeps)."""
+    rng_bytes: int = 0
+    """One saved copy of the RNG states, held by each recompute segment that contains a dropout op."""
+    segment_times_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Measured time to recompute ops ``a..b`` (inclusive, 0-based op indices) as one segment from the
+    stored input of op ``a``; missing segments are estimated by the cost model."""
+    segment_overhead_s: float = 0.0
+    """Fixed cost of launching one recompute segment (RNG restore, re-entry), used for unmeasured segments."""
+    step_time_s: float | None = None
+    """Measured time of one layer's forward + backward through megatron's own forward, if known."""
+    codec_time_scale: float = 1.0
+    """Measured / modeled overhead of compressing every op, from timing one layer's forward + backward under
+    the runtime (keep-all against compress-all). Per-op codec micro-benchmarks run on cache-hot tensors and
+    leave out the runtime's own work (pack hooks, mask packing, allocating outputs), so the cost model
+    scales every codec time by this."""
+    recompute_time_scale: float = 1.0
+    """The same calibration for recomputation (keep-all against recompute-all)."""
+    runtime_overhead_s: float = 0.0
+    """Fixed cost of running one layer's forward + backward through Adacc's op decomposition instead of
+    megatron's own forward (measured: the runtime keeping everything against the stock layer). A layer whose
+    policy keeps every activation runs the stock forward and does not pay it."""
+    source: str = "measured"
+    """``measured`` (the profiler), ``analytic`` (shape formulas) or ``synthetic`` (tests)."""
+    created_at: float = field(default_factory=time.time)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [op.name for op in self.ops]
+        if names != list(OP_NAMES):
+            raise ValueError(f"profile ops {names} do not match the layer's ops {list(OP_NAMES)}")
+
+    def op(self, name: str) -> OpProfile:
+        return self.ops[OP_NAMES.index(name)]
+
+    def segment_time(self, a: int, b: int) -> float:
+        """Time to recompute ops ``a..b`` as one segment: measured when available, else the per-op sum plus
+        the per-segment overhead."""
+        if (a, b) in self.segment_times_s:
+            return self.segment_times_s[(a, b)]
+        return sum(op.forward_time_s for op in self.ops[a:b + 1]) + self.segment_overhead_s
+
+    def scaled_segment_time(self, a: int, b: int) -> float:
+        """:meth:`segment_time` calibrated by :attr:`recompute_time_scale` (what the cost model uses)."""
+        return self.segment_time(a, b) * self.recompute_time_scale
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "profile_version": PROFILE_VERSION,
+            "device": self.device,
+            "signature": dict(self.signature),
+            "ops": [op.to_json() for op in self.ops],
+            "static_bytes": int(self.static_bytes),
+            "workspace_bytes": int(self.workspace_bytes),
+            "layer_fixed_bytes": int(self.layer_fixed_bytes),
+            "rng_bytes": int(self.rng_bytes),
+            "segment_times_s": [[a, b, t] for (a, b), t in sorted(self.segment_times_s.items())],
+            "segment_overhead_s": self.segment_overhead_s,
+            "step_time_s": self.step_time_s,
+            "codec_time_scale": self.codec_time_scale,
+            "recompute_time_scale": self.recompute_time_scale,
+            "runtime_overhead_s": self.runtime_overhead_s,
+            "source": self.source,
+            "created_at": self.created_at,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> LayerProfile:
+        if obj.get("profile_version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {obj.get('profile_version')!r} is not {PROFILE_VERSION}; "
+                             "re-run `adacc profile`")
+        return cls(
+            device=obj["device"], signature=dict(obj["signature"]),
+            ops=[OpProfile.from_json(o) for o in obj["ops"]],
+            static_bytes=int(obj.get("static_bytes", 0)), workspace_bytes=int(obj.get("workspace_bytes", 0)),
+            layer_fixed_bytes=int(obj.get("layer_fixed_bytes", 0)),
+            rng_bytes=int(obj.get("rng_bytes", 0)),
+            segment_times_s={(int(a), int(b)): float(t) for a, b, t in obj.get("segment_times_s", [])},
+            segment_overhead_s=float(obj.get("segment_overhead_s", 0.0)),
+            step_time_s=obj.get("step_time_s"), source=obj.get("source", "measured"),
+            codec_time_scale=float(obj.get("codec_time_scale", 1.0)),
+            recompute_time_scale=float(obj.get("recompute_time_scale", 1.0)),
+            runtime_overhead_s=float(obj.get("runtime_overhead_s", 0.0)),
+            created_at=float(obj.get("created_at", 0.0)), meta=dict(obj.get("meta", {})),
+        )
+
+    def with_codec_update(self, updates: dict[str, dict[str, CodecProfile]]) -> LayerProfile:
+        """A copy with some ops' codec profiles replaced (adaptive evolution re-measures these)."""
+        import copy
+
+        new = copy.deepcopy(self)
+        for op_name, codecs in updates.items():
+            new.op(op_name).codecs.update(copy.deepcopy(codecs))
+        return new
+
+
+# ---------------------------------------------------------------------------------- analytic profile
+def op_output_elements(sig: dict[str, Any]) -> dict[str, int]:
+    """Elements of each op's output for one layer and micro-batch (megatron-core GPT layer, no TP)."""
+    s, b, h = sig["seq_length"], sig["micro_batch_size"], sig["hidden_size"]
+    a, f = sig["num_attention_heads"], sig["ffn_hidden_size"]
+    tok = s * b
+    attn = b * a * s * s
+    return {
+        "input_layernorm": tok * h, "linear_qkv": 3 * tok * h, "scores": attn, "softmax": attn,
+        "dropout": attn, "context": tok * h, "linear_proj": tok * h, "self_attn_bda": tok * h,
+        "pre_mlp_layernorm": tok * h, "linear_fc1": tok * f, "activation": tok * f, "linear_fc2": tok * h,
+        "mlp_bda": tok * h,
+    }
+
+
+def analytic_profile(sig: dict[str, Any], *, device: str = "analytic", flops_per_s: float = 5e10,
+                     bytes_per_s: float = 5e9, codec_bytes_per_s: float = 2e9, outlier_fraction: float = 0.01,
+                     group_size: int = 128, static_bytes: int | None = None) -> LayerProfile:
+    """A profile from shape formulas (no measurement): for tests, docs and a first guess before profiling.
+
+    Matmul ops cost ``2mnk / flops_per_s``; element-wise ops ``bytes / bytes_per_s``; codecs touch the
+    tensor once at ``codec_bytes_per_s``. INT4 codecs store 4 bits per value plus one fp32 scale (and an
+    offset for asymmetric) per ``group_size`` values; outlier-separated INT4 also stores ``outlier_fraction``
+    of the channels unquantized.
+    """
+    e = {"float32": 4, "float16": 2, "bfloat16": 2}.get(sig["dtype"], 4)
+    s, b, h = sig["seq_length"], sig["micro_batch_size"], sig["hidden_size"]
+    f = sig["ffn_hidden_size"]
+    tok = s * b
+    n = op_output_elements(sig)
+    matmul_flops = {
+        "linear_qkv": 2 * tok * h * 3 * h, "scores": 2 * b * s * s * h, "context": 2 * b * s * s * h,
+        "linear_proj": 2 * tok * h * h, "linear_fc1": 2 * tok * h * f, "linear_fc2": 2 * tok * f * h,
+    }
+    ops = []
+    for spec in OPS:
+        elems = n[spec.name]
+        nbytes = elems * e
+        if spec.name in matmul_flops:
+            t = matmul_flops[spec.name] / flops_per_s
+        else:
+            t = 2 * nbytes / bytes_per_s
+        codecs = {}
+        for codec in spec.codecs:
+            if codec == "bitmask":
+                cb = (elems + 7) // 8
+            elif codec == "stochastic":
+                cb = elems // 2 + 8 * (elems // group_size)
+            elif codec == "int4_asymmetric":
+                cb = elems // 2 + 8 * (elems // group_size)
+            elif codec == "int4_outlier":
+                cb = int(elems // 2 + 4 * (elems // group_size) + outlier_fraction * nbytes)
+            else:
+                cb = elems // 2 + 4 * (elems // group_size)
+            codecs[codec] = CodecProfile(cb, nbytes / codec_bytes_per_s, nbytes / codec_bytes_per_s,
+                                         {"outlier_fraction": outlier_fraction} if codec == "int4_outlier" else {})
+        ops.append(OpProfile(spec.name, nbytes, t, codecs))
+    if static_bytes is None:
+        params = sig["num_layers"] * (4 * h * h + 2 * h * f + 9 * h + f)
+        static_bytes = 16 * params  # fp32 params + grads + Adam m, v
+    vocab = int(sig.get("vocab_size", 0) or 0)
+    return LayerProfile(device=device, signature=dict(sig), ops=ops, static_bytes=static_bytes,
+                        workspace_bytes=2 * 4 * vocab * tok, source="analytic")

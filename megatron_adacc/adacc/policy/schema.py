@@ -1,0 +1,83 @@
+"""The published JSON Schema of policy files, generated from :mod:`megatron_adacc.adacc.policy.ops`.
+
+``python -m megatron_adacc.adacc.policy.schema`` rewrites ``policy.schema.json``; a test keeps the two in sync.
+The loader (:mod:`megatron_adacc.adacc.policy.io`) validates the same rules by hand, naming the failing field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from megatron_adacc.adacc.policy.io import FORMAT, SCHEMA_PATH, SCHEMA_VERSION
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS
+from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS
+
+
+def json_schema() -> dict[str, Any]:
+    sig_props = {f: ({"type": "string"} if f in ("dtype", "megatron_core_version")
+                     else {"type": "integer", "minimum": 1}) for f in SIGNATURE_FIELDS}
+    decision = {
+        "type": "object",
+        "required": ["op", "action"],
+        "properties": {
+            "op": {"enum": list(OP_NAMES)},
+            "action": {"enum": list(ACTIONS)},
+            "codec": {"enum": list(CODECS)},
+            "codec_params": {"type": "object", "additionalProperties": {"type": ["number", "string", "boolean"]}},
+        },
+        "allOf": [
+            {"if": {"properties": {"action": {"const": "compress"}}}, "then": {"required": ["codec"]},
+             "else": {"not": {"required": ["codec"]}}},
+            *({"if": {"properties": {"op": {"const": op.name}, "action": {"const": "compress"}}},
+               "then": {"properties": {"codec": {"enum": list(op.codecs)}}}} for op in OPS),
+            *({"if": {"properties": {"op": {"const": op.name}}},
+               "then": {"properties": {"action": {"enum": ["keep", "compress"]}}}}
+              for op in OPS if not op.recomputable),
+        ],
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "megatron-adacc/policy.schema.json",
+        "title": "megatron-adacc policy file",
+        "description": f"Per-layer, per-op activation decisions (keep / compress / recompute) for megatron-core "
+                       f"TransformerLayers. Schema version {SCHEMA_VERSION}. See docs/policy-schema.md.",
+        "type": "object",
+        "required": ["format", "schema_version", "model_signature", "budget_bytes", "ops", "layers"],
+        "properties": {
+            "format": {"const": FORMAT},
+            "schema_version": {"const": SCHEMA_VERSION},
+            "name": {"type": ["string", "null"]},
+            "model_signature": {"oneOf": [
+                {"type": "null"},
+                {"type": "object", "required": list(SIGNATURE_FIELDS), "additionalProperties": False,
+                 "properties": sig_props}]},
+            "budget_bytes": {"type": ["integer", "null"], "exclusiveMinimum": 0},
+            "ops": {"const": list(OP_NAMES)},
+            "layers": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["decisions"],
+                "properties": {"decisions": {
+                    "type": "array", "minItems": len(OPS), "maxItems": len(OPS),
+                    "prefixItems": [{"allOf": [{"$ref": "#/$defs/decision"}, {"properties": {"op": {"const": n}}}]}
+                                    for n in OP_NAMES]}}}},
+            "predicted": {"type": "object",
+                          "description": "memory_bytes, static_bytes, workspace_bytes, activation_bytes, "
+                                         "time_s (overhead per micro-batch), per_layer",
+                          "properties": {"per_layer": {"type": "array", "items": {"type": "object"}}},
+                          "additionalProperties": {"type": ["number", "null"]}},
+            "solver": {"type": "object",
+                       "description": "strategy, status, solve_time_s, chain_aware, heterogeneous, ..."},
+            "profile": {"type": ["object", "null"],
+                        "description": "db, id, device, source, created_at of the profile the policy was solved from"},
+        },
+        "$defs": {"decision": decision},
+    }
+
+
+def render() -> str:
+    return json.dumps(json_schema(), indent=1) + "\n"
+
+
+if __name__ == "__main__":
+    SCHEMA_PATH.write_text(render())
+    print(f"wrote {SCHEMA_PATH}")

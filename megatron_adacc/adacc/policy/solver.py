@@ -1,0 +1,112 @@
+"""From a profile and a budget to a :class:`Policy`: the entry point ``adacc solve`` and ``auto`` share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_adacc.adacc.policy.cost_model import Problem, build_problem
+from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC
+from megatron_adacc.adacc.policy.policy import Policy
+from megatron_adacc.adacc.policy.profile import LayerProfile
+from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, SolveResult, solve
+
+
+@dataclass
+class SolveOptions:
+    chain_aware: bool = True
+    heterogeneous: bool = True
+    codecs: str = "default"
+    """``default``: the paper's layer-specific codec per op; ``all``: every applicable codec measured."""
+    codec_family: str = "int4"
+    """``int4`` (the paper's codecs) or ``gact`` (GACT's stochastic quantizer for every compressed tensor)."""
+    outlier_z: float = 3.0
+    outlier_separation: bool = True
+    """False: tensors whose paper codec is outlier-separated INT4 get plain per-token INT4 instead (the
+    paper's "Adacc w/o outlier" ablation)."""
+    process_baseline_bytes: float = 0.0
+    """Memory the process holds besides the model (on the CPU: the interpreter, torch and megatron-core, whose
+    pages count in peak RSS, the CPU's measure of the budget). Added to the static memory of eq. 7."""
+    headroom: float = 0.01
+    """Fraction of the budget the solver leaves free for what the cost model does not see (allocator
+    fragmentation, run-to-run variation of the peak). Measured peaks on the CPU came within 0.6% of the
+    model's prediction (benchmarks/README.md), hence 1%."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> SolveOptions:
+        return cls(chain_aware=getattr(args, "adacc_chain_aware", True),
+                   heterogeneous=getattr(args, "adacc_heterogeneous", True),
+                   codecs=getattr(args, "adacc_codecs", "default") or "default",
+                   codec_family=getattr(args, "adacc_codec", "int4") or "int4",
+                   outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0,
+                   outlier_separation=not getattr(args, "adacc_no_outlier_separation", False),
+                   process_baseline_bytes=float(getattr(args, "adacc_process_baseline_bytes", 0.0) or 0.0),
+                   headroom=float(getattr(args, "adacc_memory_headroom", 0.01)))
+
+
+def make_problem(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions,
+                 *, num_layers: int | None = None) -> Problem:
+    if options.codec_family not in ("int4", "gact"):
+        raise ValueError(f"codec family must be int4 or gact, got {options.codec_family!r}")
+    return build_problem(
+        profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
+        static_bytes=profile.static_bytes + options.process_baseline_bytes,
+        only_codec="stochastic" if options.codec_family == "gact" else None,
+        codec_params={OUTLIER_CODEC: {"z_threshold": float(options.outlier_z)}},
+        codec_substitutes=None if options.outlier_separation else {OUTLIER_CODEC: "int4_symmetric"},
+    )
+
+
+def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions | None = None, *,
+                 num_layers: int | None = None, profile_ref: dict[str, Any] | None = None,
+                 signature: dict[str, Any] | None = None) -> tuple[Policy, SolveResult]:
+    """Solve the MILP for ``profile`` under ``budget_bytes`` and wrap the answer as a policy file object.
+
+    Raises :class:`~megatron_adacc.adacc.policy.strategies.InfeasibleBudgetError` (naming the smallest feasible
+    budget) when nothing fits.
+    """
+    options = options or SolveOptions()
+    if not 0.0 <= options.headroom < 1.0:
+        raise ValueError(f"memory headroom must be a fraction in [0, 1), got {options.headroom}")
+    usable = budget_bytes * (1.0 - options.headroom) if budget_bytes is not None else None
+    problem = make_problem(profile, usable, options, num_layers=num_layers)
+    try:
+        result = solve(problem, chain_aware=options.chain_aware, heterogeneous=options.heterogeneous)
+    except InfeasibleBudgetError as e:
+        if not options.headroom:
+            raise
+        need = int(math.ceil(e.min_feasible_bytes / (1.0 - options.headroom)))
+        raise InfeasibleBudgetError(budget_bytes, need, f" (with {options.headroom:.0%} headroom, "
+                                    "--adacc-memory-headroom)") from None
+    sig = dict(signature if signature is not None else profile.signature)
+    if num_layers is not None:
+        sig["num_layers"] = int(num_layers)
+    policy = result.to_policy(signature=sig, budget_bytes=int(budget_bytes) if budget_bytes is not None else None,
+                              profile_ref=profile_ref, static_bytes=problem.fixed_bytes)
+    policy.predicted["static_bytes"] = int(problem.static_bytes)
+    policy.predicted["workspace_bytes"] = int(problem.workspace_bytes)
+    policy.predicted["activation_bytes"] = int(round(result.predicted_memory_bytes - problem.fixed_bytes))
+    policy.predicted["per_layer"] = [
+        {"activation_bytes": int(round(problem.layer_memory(p, stash=options.chain_aware))),
+         "time_s": problem.layer_time(p, chain_aware=options.chain_aware)} for p in result.layer_picks]
+    return policy, result
+
+
+def evaluate_policy(profile: LayerProfile, policy: Policy, *, chain_aware: bool = True) -> dict[str, float]:
+    """Predicted memory and time of any policy (a preset, a peer) under a profile's cost model."""
+    problem = build_problem(profile, None, codecs="all", num_layers=policy.num_layers)
+    picks = []
+    for layer in policy.layers:
+        row = []
+        for i, d in enumerate(layer):
+            idx = next((k for k, c in enumerate(problem.choices[i])
+                        if c.decision.action == d.action and c.decision.codec == d.codec), None)
+            if idx is None:
+                raise ValueError(f"op {problem.op_names[i]!r}: {d.label} was not profiled; re-run adacc profile")
+            row.append(idx)
+        picks.append(row)
+    memory = problem.total_memory(picks, stash=chain_aware)
+    return {"memory_bytes": memory, "static_bytes": problem.static_bytes,
+            "workspace_bytes": problem.workspace_bytes, "activation_bytes": memory - problem.fixed_bytes,
+            "time_s": problem.total_time(picks, chain_aware=chain_aware)}

@@ -1,0 +1,104 @@
+"""Uniform policy with the chain-aware recompute cost (an improvement over the paper's eq. 4).
+
+Consecutive recomputed ops ``a..b`` form one segment, recomputed from the nearest stored input at the
+segment's own cost (:meth:`Problem.segment_cost`: the measured segment time, plus one more decompression
+when that stored input is compressed), instead of the sum of per-op times.
+
+Formulation: a layer policy is a path through the stored ops. Node ``(j, k)`` means "op j is stored with
+choice k"; an edge ``(j, k) -> (j', k')`` recomputes the ops between them as one segment. Binary edge
+variables with flow conservation (one unit from source to sink) pick the path; an edge carries its exact
+segment cost and the stored choice's time and memory. The flow polytope is integral, so the only
+non-network constraint is the memory bound (eq. 7-8), which keeps CBC fast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pulp
+
+from megatron_adacc.adacc.policy.cost_model import Problem
+from megatron_adacc.adacc.policy.strategies.base import (
+    MS,
+    SolveResult,
+    best_over_caps,
+    check_budget,
+    finish_uniform,
+    memory_unit,
+    run_cbc,
+)
+
+NAME = "chain_aware"
+SOURCE, SINK = "source", "sink"
+
+
+def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, float, tuple[int, ...]]]:
+    """(tail, head, time, memory, recomputed bytes, decompressed bytes of the stored op entered, picks of
+    the ops entered) for every edge of the policy graph."""
+    n = problem.num_ops
+    rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
+    edges = [(SOURCE, (0, k), c.time_s, c.memory_bytes, 0.0, c.remat_bytes, (k,))
+             for k, c in enumerate(problem.choices[0]) if not c.is_recompute]
+    for j in range(n):
+        for k, before in enumerate(problem.choices[j]):
+            if before.is_recompute:
+                continue
+            for nxt in range(j + 1, n + 1):
+                seg = problem.segment_cost(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
+                seg_picks = tuple(rec[i] for i in range(j + 1, nxt))
+                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in range(j + 1, nxt))
+                stash = problem.segment_memory(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
+                if nxt == n:
+                    edges.append(((j, k), SINK, seg, stash, seg_remat, 0.0, seg_picks))
+                else:
+                    for k2, c2 in enumerate(problem.choices[nxt]):
+                        if not c2.is_recompute:
+                            edges.append(((j, k), (nxt, k2), seg + c2.time_s, c2.memory_bytes + stash,
+                                          seg_remat, c2.remat_bytes, seg_picks + (k2,)))
+                if nxt < n and rec[nxt] is None:
+                    break
+    return edges
+
+
+def solve(problem: Problem) -> SolveResult:
+    t0 = time.perf_counter()
+    room = check_budget(problem, stash=True)
+    edges = _edges(problem)
+    picks = best_over_caps(problem, room, lambda cap: _solve_capped(problem, edges, room, cap), chain_aware=True)
+    return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=True)
+
+
+def _solve_capped(problem: Problem, edges: list, room: float | None, cap: float | None) -> list[int] | None:
+    """The flow MILP with no stored op compressed above ``cap`` bytes (see ``decompress_caps``)."""
+    unit = memory_unit(room)
+    if cap is not None:
+        edges = [edge for edge in edges if edge[5] <= cap]
+    prob = pulp.LpProblem("adacc_chain_aware", pulp.LpMinimize)
+    e = [prob.add_variable(f"e_{i}", cat="Binary") for i in range(len(edges))]
+    prob += pulp.lpSum(t * MS * v for (_, _, t, _, _, _, _), v in zip(edges, e))
+    out_of, into = defaultdict(list), defaultdict(list)
+    for (tail, head, _, _, _, _, _), v in zip(edges, e):
+        out_of[tail].append(v)
+        into[head].append(v)
+    if not out_of[SOURCE] or not into[SINK]:
+        return None
+    prob += pulp.lpSum(out_of[SOURCE]) == 1, "source"
+    prob += pulp.lpSum(into[SINK]) == 1, "sink"
+    for node in set(out_of) | set(into):
+        if node not in (SOURCE, SINK):
+            prob += pulp.lpSum(into[node]) == pulp.lpSum(out_of[node]), f"flow_{node[0]}_{node[1]}"
+    if room is not None:
+        stored = problem.num_layers * pulp.lpSum(m / unit * v for (_, _, _, m, _, _, _), v in zip(edges, e))
+        recomputed = pulp.lpSum(r / unit * v for (_, _, _, _, r, _, _), v in zip(edges, e))
+        prob += stored + problem.workspace_bytes / unit <= room / unit, "memory"
+        prob += stored + recomputed <= (room - cap) / unit, "memory_backward"
+    if run_cbc(prob) != "Optimal":
+        return None
+    chosen = {tail: (head, p) for (tail, head, _, _, _, _, p), v in zip(edges, e) if (v.value() or 0) > 0.5}
+    picks: list[int] = []
+    node = SOURCE
+    while node != SINK:
+        node, p = chosen[node]
+        picks.extend(p)
+    return picks

@@ -1,0 +1,621 @@
+"""The policy-driven checkpoint function: one ``TransformerLayer`` forward with per-op keep / compress / recompute.
+
+How it works
+------------
+The layer runs as its 13 ops (:mod:`megatron_adacc.adacc.runtime.ops`), each under ``saved_tensors_hooks``. Every
+tensor autograd saves is attributed to the op that *produced its storage* (so ``linear_qkv``'s input, which
+is ``input_layernorm``'s output, belongs to ``input_layernorm``); a tensor no op produced (a layernorm's
+mean, a dropout mask) belongs to the op that is running. The decision of that op then applies:
+
+* ``keep``      — the tensor is stored as it is;
+* ``compress``  — the tensor is stored as the codec's ``Packed`` and decompressed when backward needs it
+  (NaN/Inf inputs are kept uncompressed and counted). Dropout masks go to a lossless 1-bit codec whatever
+  the codec named (:class:`MaskCodec`), as in section 3.2 of the paper;
+* ``recompute`` — only a small token is stored. Consecutive recomputed ops form one *segment*. At the
+  segment's start the runtime stores the segment's inputs (as their producers' decisions say: a reference,
+  a ``Packed``, or a token into an earlier segment) and, when the segment draws random numbers, Megatron's
+  RNG states (default generator, "CUDA" state and the tracker states). The first token unpacked in backward
+  re-runs the segment from those inputs under the saved RNG states, so dropout masks are replayed exactly,
+  and resolves every live token of the segment at once.
+
+Parameters and the layer's inputs (hidden states, attention mask, rotary embedding) are never touched.
+
+Memory: everything stored is owned by autograd's saved variables (through the tokens), so it is freed as
+backward consumes it. A segment and its stored inputs die with its last token. During the forward, op
+outputs no later op reads are dropped as soon as they are dead, like the stock forward's locals, so the
+transient peak matches Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.runtime import accounting
+from megatron_adacc.adacc.runtime.ops import (
+    LAYER_INPUTS,
+    PRODUCER,
+    RNG_OPS,
+    LayerOp,
+    initial_env,
+    layer_ops,
+    run_ops,
+    segment_inputs,
+)
+
+# ------------------------------------------------------------------------------------------------ codecs
+_CODEC_CACHE: dict[tuple, Any] = {}
+
+
+def codec_for(name: str, params: Mapping[str, Any]) -> Any:
+    """A cached codec instance for ``name`` with ``params`` (``megatron_adacc.codecs.get_codec``)."""
+    key = (name, tuple(sorted(params.items())))
+    codec = _CODEC_CACHE.get(key)
+    if codec is None:
+        from megatron_adacc.codecs import get_codec
+
+        codec = _CODEC_CACHE[key] = get_codec(name, **dict(params))
+    return codec
+
+
+class _MaskPacked:
+    """A dropout mask as one bit per value, plus the value of the kept entries for float masks."""
+
+    __slots__ = ("bits", "scale", "dtype")
+
+    def __init__(self, bits: Any, scale: float | None, dtype: torch.dtype):
+        self.bits, self.scale, self.dtype = bits, scale, dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
+
+class MaskCodec:
+    """Lossless 1-bit storage of dropout masks (section 3.2: "we compress the original byte format to bit format").
+
+    A bool mask (what ``native_dropout`` saves on a GPU) goes to the ``bitmask`` codec as it is. On the CPU,
+    torch's dropout saves the float multiplier ``bernoulli(1-p) / (1-p)`` instead, whose entries are all 0 or
+    one value ``1/(1-p)``: it is stored as the bitmask of its non-zeros plus that value, and restored exactly.
+    """
+
+    @staticmethod
+    def float_mask_scale(t: torch.Tensor) -> float | None:
+        """The common non-zero value of ``t`` when ``t`` is a float dropout multiplier, else None."""
+        # Runs inside the forward at every dropout: at most one bool temporary at a time (a quarter of an fp32
+        # mask), where gathering the non-zeros would briefly cost several times the mask itself.
+        if t.numel() == 0:
+            return None
+        scale = t.max()
+        if not bool(scale > 0):
+            return None
+        nonzero = int(torch.count_nonzero(t))
+        return float(scale) if int(torch.count_nonzero(t == scale)) == nonzero else None
+
+    def compress(self, t: torch.Tensor, scale: float | None = None) -> _MaskPacked:
+        bits = codec_for("bitmask", {})
+        if t.dtype == torch.bool:
+            return _MaskPacked(bits.compress(t), None, t.dtype)
+        return _MaskPacked(bits.compress(t != 0), scale, t.dtype)
+
+    def decompress(self, p: _MaskPacked) -> torch.Tensor:
+        mask = codec_for("bitmask", {}).decompress(p.bits)
+        if p.scale is None:
+            return mask
+        return mask.to(p.dtype) * p.scale
+
+
+MASK_CODEC = MaskCodec()
+
+
+def compress_tensor(t: torch.Tensor, op: str, is_output: bool, decision: Any) -> tuple[Any, Any] | None:
+    """Compress one saved tensor of ``op`` under a compress ``decision``: ``(codec, packed)``, or None to keep it.
+
+    * bool masks, and the float dropout multipliers an RNG op saves internally, go to the lossless
+      :class:`MaskCodec` (whatever the decision's codec);
+    * with the ``bitmask`` codec, everything that is not such a mask is kept;
+    * other float tensors go to the decision's codec; NaN/Inf input raises ``NonFiniteInputError``;
+    * other dtypes (indices) are kept.
+    """
+    if t.dtype == torch.bool:
+        return MASK_CODEC, MASK_CODEC.compress(t)
+    if t.is_floating_point() and not is_output and op in RNG_OPS:
+        scale = MaskCodec.float_mask_scale(t)
+        if scale is not None:
+            return MASK_CODEC, MASK_CODEC.compress(t, scale)
+    if decision.codec == "bitmask" or not t.is_floating_point():
+        return None
+    codec = codec_for(decision.codec, decision.codec_params)
+    return codec, codec.compress(t)
+
+
+def _nonfinite_error() -> type[BaseException]:
+    from megatron_adacc.codecs import NonFiniteInputError
+
+    return NonFiniteInputError
+
+
+# ------------------------------------------------------------------------------------------------ handles
+def storage_ptr(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (views of one tensor share it)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return (storage_ptr(t), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype)
+
+
+class _Handle:
+    """What a pack hook returns instead of a tensor; ``get()`` gives the tensor back."""
+
+    __slots__ = ("__weakref__",)
+
+    def get(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _Compressed(_Handle):
+    __slots__ = ("codec", "packed", "op")
+
+    def __init__(self, codec: Any, packed: Any, op: str):
+        self.codec, self.packed, self.op = codec, packed, op
+
+    def get(self) -> torch.Tensor:
+        return self.codec.decompress(self.packed)
+
+
+class _Recomputed(_Handle):
+    """A token for a tensor that the segment recomputes in backward.
+
+    ``key`` is ``("view", output_name, size, stride, storage_offset)`` for (a view of) an op output, or
+    ``("internal", op_name, pack_index)`` for a tensor an op saved that is not an op output.
+    """
+
+    __slots__ = ("segment", "key", "value")
+
+    def __init__(self, segment: _Segment, key: tuple):
+        self.segment, self.key, self.value = segment, key, None
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            self.segment.materialize()
+        return self.value
+
+
+def _unpack(obj: Any) -> torch.Tensor:
+    return obj.get() if isinstance(obj, _Handle) else obj
+
+
+def _discard(_obj: Any) -> None:  # pragma: no cover - the recompute graph is never backpropagated
+    raise RuntimeError("megatron-adacc: a recomputation graph was backpropagated; this is a bug")
+
+
+@contextlib.contextmanager
+def _replay_rng(states: tuple | None):
+    """Run under the RNG states captured in forward, and restore the current ones afterwards."""
+    if states is None:
+        yield
+        return
+    from megatron.core.tensor_parallel.random import _fork_rng, _set_all_rng_states
+
+    cpu, cuda, tracker = states
+    with _fork_rng():
+        # A copy of the tracker dict: set_states() adopts the dict, and forks inside the re-run update it.
+        _set_all_rng_states(cpu, cuda, dict(tracker))
+        yield
+
+
+def _capture_rng() -> tuple:
+    from megatron.core.tensor_parallel.random import _get_all_rng_states
+
+    cpu, cuda, tracker = _get_all_rng_states()
+    return cpu, cuda, dict(tracker)
+
+
+def rng_state_nbytes(states: tuple) -> int:
+    """Bytes held by one captured RNG state tuple."""
+    cpu, cuda, tracker = states
+    tensors = [cpu, cuda, *tracker.values()]
+    seen = {storage_ptr(t): t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(seen.values())
+
+
+# ------------------------------------------------------------------------------------------------ segments
+@dataclass
+class _StashEntry:
+    value: Any                 # a tensor, a _Handle, a Parameter or None
+    requires_grad: bool
+
+
+class _Segment:
+    """A run of consecutive recomputed ops, re-run once in backward from its stored inputs."""
+
+    def __init__(self, ops: Sequence[LayerOp]):
+        self.ops = list(ops)
+        self.names = [op.name for op in ops]
+        self.handles: weakref.WeakSet[_Recomputed] = weakref.WeakSet()
+        self.packed_tokens = 0  # tokens held by saved variables (the stash of a later segment may hold more)
+        self.stash: dict[str, _StashEntry] | None = None
+        self.rng: tuple | None = None
+        self.needs_rng = any(op.name in RNG_OPS for op in ops)
+
+    def _inputs(self) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for name, entry in self.stash.items():
+            value = _unpack(entry.value)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                value = value.detach()
+                if entry.requires_grad:
+                    value.requires_grad_(True)
+                if name == "scores":
+                    # softmax masks its input in place (megatron's attention_mask_func); in-place ops on a
+                    # leaf that requires grad are refused, and the stored scores must stay intact.
+                    value = value.clone()
+            env[name] = value
+        return env
+
+    def materialize(self) -> None:
+        """Re-run the segment and resolve every live token (called by the first token unpacked)."""
+        live = [h for h in self.handles if h.value is None]
+        if not live:
+            return
+        if self.stash is None:
+            raise RuntimeError(
+                "megatron-adacc: a recompute segment was unpacked after its inputs were released "
+                "(a second backward through the same graph needs retain_graph=True on the first one)"
+            )
+        wanted = {h.key for h in live if h.key[0] == "internal"}
+        captured: dict[tuple, torch.Tensor] = {}
+        cursor = {"op": "", "index": 0}
+
+        def pack(t: torch.Tensor) -> None:
+            key = ("internal", cursor["op"], cursor["index"])
+            cursor["index"] += 1
+            if key in wanted:
+                captured[key] = t.detach()
+            return None
+
+        # Values no later op of the segment reads and no token wants die as the segment runs, as in the
+        # forward: the re-run should not hold more than the tensors it brings back.
+        wanted_outputs = {h.key[1] for h in live if h.key[0] == "view"}
+        last_read = {name: i for i, op in enumerate(self.ops) for name in op.inputs}
+        with torch.enable_grad(), _replay_rng(self.rng):
+            env = self._inputs()  # under enable_grad: backward runs with grad mode off
+            for i, op in enumerate(self.ops):
+                cursor["op"], cursor["index"] = op.name, 0
+                with torch.autograd.graph.saved_tensors_hooks(pack, _discard):
+                    env.update(op.run(env))
+                for name in [n for n in env if last_read.get(n, -1) <= i and n not in wanted_outputs]:
+                    del env[name]
+        for h in live:
+            if h.key[0] == "internal":
+                if h.key not in captured:
+                    raise RuntimeError(f"megatron-adacc: recomputing {self.names} did not save {h.key}; the "
+                                       "forward and its re-run diverged (a data-dependent branch?)")
+                h.value = captured[h.key]
+            else:
+                _, name, size, stride, offset = h.key
+                h.value = env[name].detach().as_strided(size, stride, offset)
+        # Every token is resolved; the inputs and RNG states are no longer needed.
+        self.stash = None
+        self.rng = None
+
+
+# ------------------------------------------------------------------------------------------------ frame
+@dataclass
+class LayerMemory:
+    """Bytes one layer holds for backward after its forward, measured by the runtime (unique storages)."""
+
+    layer: int
+    input_bytes: int = 0
+    per_op: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OP_NAMES})
+    stash_bytes: int = 0
+    rng_bytes: int = 0
+    nonfinite_fallbacks: int = 0
+    stock_bytes: int = 0
+    """Saved by a layer whose policy keeps everything, which runs megatron's own forward
+    (:func:`stock_layer_forward`): not split by op."""
+    shared: dict[int, int] = field(default_factory=dict)
+    """Storages of inputs every layer shares (attention mask, rotary embedding) that ops saved: held once for
+    the whole model, so they are not part of :attr:`total_bytes`; ``{storage id: bytes}`` to sum uniquely."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.input_bytes + sum(self.per_op.values()) + self.stash_bytes + self.rng_bytes + self.stock_bytes
+
+
+class _Frame:
+    """The state of one layer forward under a policy (dropped when the forward returns)."""
+
+    def __init__(self, layer: torch.nn.Module, decisions: Mapping[str, Any], ops: Sequence[LayerOp]):
+        self.decisions = decisions
+        self.ops = ops
+        self.param_ptrs = {storage_ptr(p) for p in layer.parameters()}
+        self.external: set[int] = set()
+        self.producer: dict[int, tuple[str, str]] = {}
+        self.compressed: dict[tuple, _Compressed] = {}
+        self.packed_handles: dict[int, _Compressed] = {}     # payloads a saved variable references
+        self.kept: dict[int, tuple[int, str]] = {}          # storage -> (bytes, op)
+        self.nonfinite = 0
+        self.shared: dict[int, int] = {}                      # layer inputs saved as they are (storage -> bytes)
+        self.segment_of: dict[str, _Segment] = {}
+        self.segments: list[_Segment] = []
+        run: list[LayerOp] = []
+        for op in list(ops) + [None]:
+            if op is not None and decisions[op.name].action == "recompute":
+                run.append(op)
+                continue
+            if run:
+                seg = _Segment(run)
+                self.segments.append(seg)
+                for r in run:
+                    self.segment_of[r.name] = seg
+                run = []
+        self.current_op = ""
+        self.pack_index = 0
+
+    # -- storing one tensor under the decision of the op that owns it
+    def _keep(self, t: torch.Tensor, op: str, from_pack: bool) -> torch.Tensor:
+        if from_pack:
+            self.kept.setdefault(storage_ptr(t), (t.untyped_storage().nbytes(), op))
+        return t
+
+    def _compress(self, t: torch.Tensor, op: str, is_output: bool, from_pack: bool) -> Any:
+        # Deduplicate only tensors whose storage the layer's environment keeps alive for the whole forward
+        # (op outputs and their views). An op's internal tensor (a dropout mask) dies once compressed, and
+        # the allocator may hand its address to the next tensor, so its geometry is no identity.
+        key = _geometry(t) if is_output else None
+        handle = self.compressed.get(key) if key is not None else None
+        if handle is None:
+            try:
+                result = compress_tensor(t, op, is_output, self.decisions[op])
+            except _nonfinite_error():
+                self.nonfinite += 1
+                result = None
+            if result is None:
+                return self._keep(t, op, from_pack)
+            handle = _Compressed(result[0], result[1], op)
+            if key is not None:
+                self.compressed[key] = handle
+        if from_pack:
+            self.packed_handles[id(handle)] = handle
+        return handle
+
+    def store(self, t: torch.Tensor, op: str, output_name: str | None, index: int, from_pack: bool) -> Any:
+        action = self.decisions[op].action
+        if action == "keep":
+            return self._keep(t, op, from_pack)
+        if action == "compress":
+            return self._compress(t, op, output_name is not None, from_pack)
+        seg = self.segment_of[op]
+        if output_name is not None:
+            key = ("view", output_name, tuple(t.size()), t.stride(), t.storage_offset())
+        else:
+            key = ("internal", op, index)
+        handle = _Recomputed(seg, key)
+        seg.handles.add(handle)
+        if from_pack:
+            seg.packed_tokens += 1
+        return handle
+
+    def pack(self, t: torch.Tensor) -> Any:
+        index = self.pack_index
+        self.pack_index += 1
+        ptr = storage_ptr(t)
+        if ptr in self.param_ptrs or isinstance(t, torch.nn.Parameter):
+            return t
+        if ptr in self.external:
+            self.shared.setdefault(ptr, t.untyped_storage().nbytes())
+            return t
+        owner = self.producer.get(ptr)
+        if owner is None:
+            return self.store(t, self.current_op, None, index, True)
+        return self.store(t, owner[0], owner[1], index, True)
+
+    def stash_value(self, name: str, value: Any) -> _StashEntry:
+        """Store a segment input the way its producer's decision says."""
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or name in LAYER_INPUTS:
+            return _StashEntry(value, bool(getattr(value, "requires_grad", False)))
+        op = PRODUCER[name]
+        return _StashEntry(self.store(value, op, name, -1, False), value.requires_grad)
+
+    def release(self, env: dict[str, Any], names: Sequence[str]) -> None:
+        """Drop op outputs no later op reads, as the stock forward's locals go out of scope.
+
+        A storage nothing else holds (no kept saved tensor, no stored segment input, no other live output) is
+        freed by this, and the allocator may hand its address to a later tensor: forget it in the producer
+        and dedup tables, so that address is not mistaken for it.
+        """
+        released = []
+        for name in names:
+            value = env.pop(name, None)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                released.append(storage_ptr(value))
+        if not released:
+            return
+        live = {storage_ptr(v) for v in env.values() if isinstance(v, torch.Tensor)}
+        for seg in self.segments:
+            for entry in (seg.stash or {}).values():
+                if isinstance(entry.value, torch.Tensor):
+                    live.add(storage_ptr(entry.value))
+        for ptr in released:
+            if ptr in live or ptr in self.kept or ptr in self.param_ptrs or ptr in self.external:
+                continue
+            self.producer.pop(ptr, None)
+            for key in [k for k in self.compressed if k[0] == ptr]:
+                del self.compressed[key]
+
+    def register_outputs(self, op: str, outputs: Mapping[str, Any]) -> None:
+        for name, value in outputs.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                ptr = storage_ptr(value)
+                if ptr not in self.param_ptrs and ptr not in self.external:
+                    self.producer.setdefault(ptr, (op, name))
+
+
+def checkpointed_layer_forward(
+    layer: torch.nn.Module,
+    decisions: Mapping[str, Any],
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    rotary_pos_emb: Any = None,
+    *,
+    layer_index: int | None = None,
+) -> torch.Tensor:
+    """Run ``layer`` (a megatron-core ``TransformerLayer``, local spec, training mode) under ``decisions``.
+
+    Args:
+        layer: the transformer layer.
+        decisions: ``{op name: Decision}`` for the 13 ops of :data:`megatron_adacc.adacc.policy.ops.OP_NAMES`
+            (e.g. ``policy.layer_decisions(i)``); a ``Decision`` has ``action`` in keep / compress / recompute,
+            and ``codec`` / ``codec_params`` for compress.
+        hidden_states, attention_mask, rotary_pos_emb: the layer's inputs, as ``TransformerLayer.forward``.
+        layer_index: 0-based index used to file the measured memory (:func:`.memory.memory_report`).
+
+    Returns:
+        The layer's output hidden states (``layer(...)[0]``).
+    """
+    missing = [name for name in OP_NAMES if name not in decisions]
+    if missing:
+        raise ValueError(f"decisions for ops {missing} are missing; give one Decision per op of {OP_NAMES}")
+    ops = layer_ops(layer)
+    env = initial_env(hidden_states, attention_mask, rotary_pos_emb)
+    if not torch.is_grad_enabled():
+        return run_ops(ops, env)["output"]
+
+    frame = _Frame(layer, decisions, ops)
+    for value in (hidden_states, attention_mask, *_flatten(rotary_pos_emb)):
+        if isinstance(value, torch.Tensor):
+            frame.external.add(storage_ptr(value))
+
+    def pack(t: torch.Tensor) -> Any:
+        return frame.pack(t)
+
+    last_use = _last_uses(ops)
+    for index, op in enumerate(ops):
+        seg = frame.segment_of.get(op.name)
+        if seg is not None and seg.ops[0] is op:
+            seg.stash = {name: frame.stash_value(name, env[name]) for name in segment_inputs(seg.ops)}
+            if seg.needs_rng:
+                seg.rng = _capture_rng()
+        frame.current_op, frame.pack_index = op.name, 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            outputs = op.run(env)
+        env.update(outputs)
+        frame.register_outputs(op.name, outputs)
+        frame.release(env, last_use.get(index, ()))
+    output = env["output"]
+
+    if accounting.is_enabled():
+        accounting.record(_measure(frame, hidden_states, layer_index))
+    return output
+
+
+def stock_layer_forward(
+    layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    rotary_pos_emb: Any = None,
+    *,
+    layer_index: int | None = None,
+) -> torch.Tensor:
+    """Run ``layer`` through megatron's own ``TransformerLayer.forward``, for a layer whose policy keeps every
+    activation: the op decomposition and its per-tensor bookkeeping buy nothing there and cost a few percent
+    of step time. With accounting on, a plain pack hook files what the layer saves, as
+    :func:`checkpointed_layer_forward` does."""
+
+    def call() -> torch.Tensor:
+        out = layer(hidden_states=hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        return out[0] if isinstance(out, tuple) else out
+
+    if not (accounting.is_enabled() and torch.is_grad_enabled()):
+        return call()
+    params = {storage_ptr(p) for p in layer.parameters()}
+    external = {storage_ptr(v) for v in (attention_mask, *_flatten(rotary_pos_emb)) if isinstance(v, torch.Tensor)}
+    own_input = storage_ptr(hidden_states)
+    kept: dict[int, int] = {}
+    shared: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = storage_ptr(t)
+        if ptr != own_input and ptr not in params and not isinstance(t, torch.nn.Parameter):
+            (shared if ptr in external else kept)[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+        output = call()
+    accounting.record(LayerMemory(layer=-1 if layer_index is None else layer_index,
+                                  input_bytes=hidden_states.untyped_storage().nbytes(),
+                                  stock_bytes=sum(kept.values()), shared=shared))
+    return output
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _last_uses(ops: Sequence[LayerOp]) -> dict[int, tuple[str, ...]]:
+    """``{op index: op outputs last read by that op}`` (layer inputs and the layer output are never released)."""
+    last: dict[str, int] = {}
+    for index, op in enumerate(ops):
+        for name in op.inputs:
+            if name not in LAYER_INPUTS:
+                last[name] = index
+    out: dict[int, list[str]] = {}
+    for name, index in last.items():
+        out.setdefault(index, []).append(name)
+    return {index: tuple(names) for index, names in out.items()}
+
+
+def _flatten(value: Any) -> list:
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _flatten(item)]
+    return [value]
+
+
+def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None) -> LayerMemory:
+    """What stays held for backward: kept storages and packed payloads referenced by saved variables, and
+    the stored inputs and RNG states of the segments that still have tokens (their own, or a later
+    segment's stored input)."""
+    mem = LayerMemory(layer=-1 if layer_index is None else layer_index)
+    mem.input_bytes = hidden_states.untyped_storage().nbytes()
+    seen: set[int] = {storage_ptr(hidden_states)}
+    for ptr, (nbytes, op) in frame.kept.items():
+        if ptr not in seen:
+            seen.add(ptr)
+            mem.per_op[op] += nbytes
+    for handle in frame.packed_handles.values():
+        mem.per_op[handle.op] += handle.packed.nbytes
+    counted = set(frame.packed_handles)
+    live: set[int] = set()
+    for seg in reversed(frame.segments):  # a segment lives if saved variables or a live later segment need it
+        if seg.packed_tokens or id(seg) in live:
+            live.add(id(seg))
+            for entry in (seg.stash or {}).values():
+                if isinstance(entry.value, _Recomputed):
+                    live.add(id(entry.value.segment))
+    for seg in frame.segments:
+        if seg.stash is None or id(seg) not in live:
+            continue
+        for entry in seg.stash.values():
+            value = entry.value
+            if isinstance(value, _Compressed):
+                if id(value) not in counted:
+                    counted.add(id(value))
+                    mem.stash_bytes += value.packed.nbytes
+            elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                ptr = storage_ptr(value)
+                if ptr not in seen and ptr not in frame.param_ptrs and ptr not in frame.external:
+                    seen.add(ptr)
+                    mem.stash_bytes += value.untyped_storage().nbytes()
+        if seg.rng is not None:
+            mem.rng_bytes += rng_state_nbytes(seg.rng)
+    mem.nonfinite_fallbacks = frame.nonfinite
+    mem.shared = {ptr: n for ptr, n in frame.shared.items() if ptr != storage_ptr(hidden_states)}
+    return mem

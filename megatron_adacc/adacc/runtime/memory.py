@@ -1,0 +1,299 @@
+"""Per-op activation sizes, the memory a policy is predicted to hold, and the measured-vs-predicted report.
+
+``profile_layer_sizes`` runs one forward of a layer with every op kept and records, per op, what autograd
+saves and the runtime would attribute to it (the same attribution as the checkpoint function): the bytes of
+its unique storages, how many tensors, and their compressed sizes for the codecs asked for. It also records,
+per op output, what storing it as a *segment input* would add (nothing when the tensor is already saved).
+
+``predict_layer_memory(decisions, sizes)`` turns those sizes and a layer's decisions into a
+:class:`~megatron_adacc.adacc.runtime.checkpoint.LayerMemory`, following the runtime's rules exactly:
+
+* keep: the op's saved bytes; compress: their packed bytes (non-float tensors stay kept); recompute: 0;
+* each recompute segment that still has tokens after forward (its ops saved something, or a later live
+  segment reads one of its outputs) holds its inputs (when not already saved) and, when it contains a
+  dropout, one copy of Megatron's RNG states;
+* the layer input is always held (it is the layer's checkpoint).
+
+So the prediction and the runtime's measurement agree exactly on the batch that was profiled; on other batches
+they differ only by data-dependent codec sizes (outlier counts) and NaN/Inf fallbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.runtime import accounting
+from megatron_adacc.adacc.runtime.checkpoint import (
+    LayerMemory,
+    _capture_rng,
+    _geometry,
+    compress_tensor,
+    rng_state_nbytes,
+    storage_ptr,
+)
+from megatron_adacc.adacc.runtime.ops import LAYER_INPUTS, PRODUCER, RNG_OPS, initial_env, layer_ops
+
+CodecKey = tuple  # (codec name, sorted params)
+
+
+def codec_key(name: str, params: Mapping[str, Any]) -> CodecKey:
+    return (name, tuple(sorted(dict(params).items())))
+
+
+@dataclass
+class OpSizes:
+    """What one op's output (and the op's own saved tensors) weighs for backward, from a profiled forward."""
+
+    saved_bytes: int = 0
+    """Unique storages the op owns among the saved tensors (the ``keep`` cost)."""
+    saved_count: int = 0
+    """Saved tensors attributed to the op (a recomputed op with 0 leaves no token)."""
+    output_bytes: int = 0
+    """Unique storages of the op's outputs (the paper's M_i when every output were stored)."""
+    compressed_bytes: dict[CodecKey, int] = field(default_factory=dict)
+    """The ``compress`` cost per codec."""
+    stash_keep_bytes: dict[str, int] = field(default_factory=dict)
+    """Per output: extra bytes to hold it as a segment input when the op is kept (0 if already saved)."""
+    stash_compressed_bytes: dict[str, dict[CodecKey, int]] = field(default_factory=dict)
+    """Per output and codec: extra packed bytes to hold it as a segment input when the op is compressed."""
+
+    def compress_cost(self, key: CodecKey) -> int:
+        if key not in self.compressed_bytes:
+            raise KeyError(f"codec {key[0]} with params {dict(key[1])} was not profiled for this op; pass it in "
+                           "`codecs` to profile_layer_sizes")
+        return self.compressed_bytes[key]
+
+
+@dataclass
+class LayerSizes:
+    """Per-op sizes of one layer for one input shape."""
+
+    ops: dict[str, OpSizes]
+    input_bytes: int
+    rng_bytes: int
+    """Bytes of one captured set of RNG states (default generator, "CUDA" state, tracker states)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "input_bytes": self.input_bytes,
+            "rng_bytes": self.rng_bytes,
+            "ops": {name: {"saved_bytes": s.saved_bytes, "saved_count": s.saved_count,
+                           "output_bytes": s.output_bytes,
+                           "compressed_bytes": {k[0]: v for k, v in s.compressed_bytes.items()}}
+                    for name, s in self.ops.items()},
+        }
+
+
+def _codecs_of(decisions: Mapping[str, Any]) -> dict[str, set[CodecKey]]:
+    out: dict[str, set[CodecKey]] = {name: set() for name in OP_NAMES}
+    for name, d in decisions.items():
+        if d.action == "compress":
+            out[name].add(codec_key(d.codec, d.codec_params))
+    return out
+
+
+def profile_layer_sizes(
+    layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    rotary_pos_emb: Any = None,
+    codecs: Mapping[str, Iterable[CodecKey]] | None = None,
+) -> LayerSizes:
+    """Run ``layer`` once with every op kept and measure each op's sizes (RNG states are left untouched).
+
+    ``codecs`` maps op names to the codec keys (:func:`codec_key`) to measure for that op; e.g.
+    ``_codecs_of(policy.layer_decisions(i))``.
+    """
+    from megatron.core.tensor_parallel.random import _fork_rng
+
+    codecs = {name: set(codecs.get(name, ())) if codecs else set() for name in OP_NAMES}
+    ops = layer_ops(layer)
+    params = {storage_ptr(p) for p in layer.parameters()}
+    inputs = hidden_states.detach().requires_grad_(hidden_states.requires_grad)
+    external = {storage_ptr(t) for t in (inputs, attention_mask, *_flat(rotary_pos_emb)) if isinstance(t, torch.Tensor)}
+    producer: dict[int, tuple[str, str]] = {}
+    # op -> dedup key -> (tensor, is an op output)
+    saved: dict[str, dict[tuple, tuple[torch.Tensor, bool]]] = {name: {} for name in OP_NAMES}
+    counts = {name: 0 for name in OP_NAMES}
+    current = {"op": ""}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = storage_ptr(t)
+        if ptr in params or ptr in external or isinstance(t, torch.nn.Parameter):
+            return t
+        owner, name = producer.get(ptr, (current["op"], None))
+        counts[owner] += 1
+        # Mirror the runtime: only op outputs (alive for the whole forward) are deduplicated by geometry.
+        key = _geometry(t) if name is not None else ("internal", counts[owner])
+        saved[owner].setdefault(key, (t, name is not None))
+        return t
+
+    env = initial_env(inputs, attention_mask, rotary_pos_emb)
+    sizes = {name: OpSizes() for name in OP_NAMES}
+    with _fork_rng(), torch.enable_grad():
+        rng_bytes = rng_state_nbytes(_capture_rng())
+        for op in ops:
+            current["op"] = op.name
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outputs = op.run(env)
+            env.update(outputs)
+            for name, value in outputs.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    ptr = storage_ptr(value)
+                    if ptr not in params and ptr not in external:
+                        producer.setdefault(ptr, (op.name, name))
+
+    for name in OP_NAMES:
+        s = sizes[name]
+        tensors = saved[name]
+        storages = {storage_ptr(t): t.untyped_storage().nbytes() for t, _ in tensors.values()}
+        s.saved_bytes = sum(storages.values())
+        s.saved_count = counts[name]
+        op = next(o for o in ops if o.name == name)
+        outs = [env[o] for o in op.outputs if isinstance(env[o], torch.Tensor)
+                and not isinstance(env[o], torch.nn.Parameter)]
+        s.output_bytes = sum({storage_ptr(t): t.untyped_storage().nbytes() for t in outs}.values())
+        for key in codecs[name]:
+            s.compressed_bytes[key] = _packed_bytes(tensors.values(), name, key)
+        for out_name in op.outputs:
+            value = env[out_name]
+            if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+                continue
+            ptr = storage_ptr(value)
+            s.stash_keep_bytes[out_name] = 0 if ptr in storages else value.untyped_storage().nbytes()
+            s.stash_compressed_bytes[out_name] = {
+                key: 0 if _geometry(value) in tensors else _packed_bytes([(value, True)], name, key)
+                for key in codecs[name]
+            }
+    return LayerSizes(ops=sizes, input_bytes=hidden_states.untyped_storage().nbytes(), rng_bytes=rng_bytes)
+
+
+def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey) -> int:
+    """Bytes the runtime holds when op ``op`` compresses ``entries`` ((tensor, is an op output) pairs) with
+    codec ``key``: the same per-tensor routing as the runtime (:func:`compress_tensor`)."""
+    from megatron_adacc.adacc.policy.policy import Decision
+    from megatron_adacc.codecs import NonFiniteInputError
+
+    decision = Decision("compress", key[0], dict(key[1]))
+    total = 0
+    kept: dict[int, int] = {}
+    for t, is_output in entries:
+        try:
+            result = compress_tensor(t.detach(), op, is_output, decision)
+        except NonFiniteInputError:
+            result = None
+        if result is None:
+            kept[storage_ptr(t)] = t.untyped_storage().nbytes()
+        else:
+            total += result[1].nbytes
+    return total + sum(kept.values())
+
+
+def _flat(value: Any) -> list:
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _flat(item)]
+    return [value]
+
+
+def _segments(decisions: Mapping[str, Any]) -> list[list[str]]:
+    segments: list[list[str]] = []
+    run: list[str] = []
+    for name in list(OP_NAMES) + [None]:
+        if name is not None and decisions[name].action == "recompute":
+            run.append(name)
+        elif run:
+            segments.append(run)
+            run = []
+    return segments
+
+
+def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer: int = -1) -> LayerMemory:
+    """The bytes a layer run under ``decisions`` holds for backward, from its profiled ``sizes``."""
+    from megatron_adacc.adacc.runtime.ops import _TABLE
+
+    inputs_of = {row[0]: row[1] for row in _TABLE}
+    mem = LayerMemory(layer=layer, input_bytes=sizes.input_bytes)
+    for name in OP_NAMES:
+        d = decisions[name]
+        s = sizes.ops[name]
+        if d.action == "keep":
+            mem.per_op[name] = s.saved_bytes
+        elif d.action == "compress":
+            mem.per_op[name] = s.compress_cost(codec_key(d.codec, d.codec_params))
+    segments = _segments(decisions)
+    seg_of = {name: i for i, seg in enumerate(segments) for name in seg}
+    live: set[int] = set()
+    for i in reversed(range(len(segments))):
+        seg = segments[i]
+        if any(sizes.ops[name].saved_count for name in seg) or i in live:
+            live.add(i)
+            for value in _segment_input_names(seg, inputs_of):
+                if value in PRODUCER and PRODUCER[value] in seg_of:
+                    live.add(seg_of[PRODUCER[value]])
+    for i in sorted(live):
+        seg = segments[i]
+        for value in _segment_input_names(seg, inputs_of):
+            if value in LAYER_INPUTS or value not in PRODUCER:
+                continue
+            producer = PRODUCER[value]
+            d = decisions[producer]
+            s = sizes.ops[producer]
+            if value not in s.stash_keep_bytes:  # a Parameter (bias) or None
+                continue
+            if d.action == "keep":
+                mem.stash_bytes += s.stash_keep_bytes[value]
+            elif d.action == "compress":
+                mem.stash_bytes += s.stash_compressed_bytes[value][codec_key(d.codec, d.codec_params)]
+        if any(name in RNG_OPS for name in seg):
+            mem.rng_bytes += sizes.rng_bytes
+    return mem
+
+
+def _segment_input_names(seg: list[str], inputs_of: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    produced: set[str] = set()
+    needed: list[str] = []
+    for name in seg:
+        for value in inputs_of[name]:
+            if value not in produced and value not in needed:
+                needed.append(value)
+        produced.update(o for o, p in PRODUCER.items() if p == name)
+    return tuple(needed)
+
+
+# ------------------------------------------------------------------------------------------------ report
+def memory_report(policy: Any = None) -> dict[str, Any]:
+    """Measured (and, where sizes were profiled, predicted) bytes held for backward per layer.
+
+    Returns ``{"layers": [{"layer", "measured_bytes", "predicted_bytes", "rel_error", "measured",
+    "predicted"}...], "measured_bytes", "predicted_bytes", "shared_bytes"}`` for the most recent forward of
+    each layer run through the runtime (``shared_bytes``: inputs all layers share, such as the attention mask,
+    counted once and not in the per-layer figures). ``policy`` defaults to the installed one.
+    """
+    if policy is None:
+        from megatron_adacc.adacc.integration import installed_policy
+
+        policy = installed_policy()
+    rows = []
+    for index, measured in accounting.latest().items():
+        row: dict[str, Any] = {"layer": index, "measured_bytes": measured.total_bytes, "measured": measured}
+        sizes = accounting.sizes().get(index)
+        # A preset name stays a string until the first forward sizes it; then it is a Policy.
+        if sizes is not None and hasattr(policy, "layer_decisions") and 0 <= index < policy.num_layers:
+            predicted = predict_layer_memory(policy.layer_decisions(index), sizes, index)
+            row["predicted_bytes"] = predicted.total_bytes
+            row["predicted"] = predicted
+            row["rel_error"] = abs(measured.total_bytes - predicted.total_bytes) / max(predicted.total_bytes, 1)
+        rows.append(row)
+    shared: dict[int, int] = {}
+    for row in rows:
+        shared.update(row["measured"].shared)
+    out: dict[str, Any] = {"layers": rows, "measured_bytes": sum(r["measured_bytes"] for r in rows),
+                           "shared_bytes": sum(shared.values())}
+    if rows and all("predicted_bytes" in r for r in rows):
+        out["predicted_bytes"] = sum(r["predicted_bytes"] for r in rows)
+    return out
