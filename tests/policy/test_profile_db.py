@@ -75,3 +75,26 @@ def test_profile_rejects_wrong_ops_and_versions() -> None:
     obj["profile_version"] = 0
     with pytest.raises(ValueError, match="re-run `adacc profile`"):
         LayerProfile.from_json(obj)
+
+
+def test_analytic_sizes_are_the_grouped_codecs_formulas() -> None:
+    """The analytic profile's shape-free sizes equal the codecs' ``compressed_nbytes`` for the grouped codecs
+    and the bitmask (every tensor here is a whole number of 128-value groups); the channel-wise and outlier
+    codecs' formulas need the tensor's layout, which the analytic model leaves out (see its docstring)."""
+    import torch
+
+    from megatron_adacc.adacc.policy.profile import op_output_elements
+    from megatron_adacc.codecs import get_codec
+
+    grouped = {"int4_symmetric": get_codec("int4_symmetric", group=128),
+               "int4_asymmetric": get_codec("int4_asymmetric", group=128),
+               "stochastic": get_codec("stochastic", group_size=128), "bitmask": get_codec("bitmask")}
+    elements = op_output_elements(SIG)
+    checked = 0
+    for op in analytic_profile(SIG, group_size=128).ops:
+        assert elements[op.name] % 128 == 0
+        for name, codec in grouped.items():
+            if name in op.codecs:
+                assert op.codecs[name].compressed_bytes == codec.compressed_nbytes((elements[op.name],), torch.float32)
+                checked += 1
+    assert checked >= 2 * len(elements)  # every op offers int4_symmetric and stochastic

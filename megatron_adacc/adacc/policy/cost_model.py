@@ -33,9 +33,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME
+from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, Action, segments
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.policy.profile import LayerProfile
+
+# Python 3.11 looks enum members up through EnumType.__getattr__ (about 0.1 us each, ten times a string
+# comparison); the checks below run in the inner loops of the Pareto DP and the MILP graph, so they compare
+# with the members bound once here.
+_KEEP, _RECOMPUTE = Action.KEEP, Action.RECOMPUTE
 
 DECOMPRESS_GRADIENT_FACTOR = 2.0
 """A decompressed tensor's transient in units of its size: the copy plus its gradient (module docstring)."""
@@ -62,7 +67,7 @@ class Choice:
 
     @property
     def is_recompute(self) -> bool:
-        return self.decision.action == "recompute"
+        return self.decision.action == _RECOMPUTE
 
 
 @dataclass
@@ -141,25 +146,22 @@ class Problem:
     def layer_remat(self, picks: Sequence[int]) -> float:
         """Bytes one layer with ``picks`` re-materializes in its backward: every recomputed op and the
         largest decompressed one."""
-        chosen = [self.choices[i][k] for i, k in enumerate(picks)]
+        chosen = self._chosen(picks)
         return (sum(c.remat_bytes for c in chosen if c.is_recompute)
                 + max([0.0] + [c.remat_bytes for c in chosen if not c.is_recompute]))
 
     # ------------------------------------------------------------------------------- evaluating a layer
     def layer_memory(self, picks: Sequence[int], *, stash: bool = False) -> float:
         """Bytes one layer holds (eq. 8's sum), plus segment-input stashes when ``stash``."""
-        total = sum(self.choices[i][k].memory_bytes for i, k in enumerate(picks))
+        chosen = self._chosen(picks)
+        total = sum(c.memory_bytes for c in chosen)
         if stash:
-            i, n = 0, len(picks)
-            while i < n:
-                if not self.choices[i][picks[i]].is_recompute:
-                    i += 1
-                    continue
-                a = i
-                while i < n and self.choices[i][picks[i]].is_recompute:
-                    i += 1
-                total += self.segment_memory(a, i - 1, self.choices[a - 1][picks[a - 1]])
+            for seg in segments(c.is_recompute for c in chosen):
+                total += self.segment_memory(seg.start, seg.stop - 1, chosen[seg.start - 1])
         return total
+
+    def _chosen(self, picks: Sequence[int]) -> list[Choice]:
+        return [self.choices[i][k] for i, k in enumerate(picks)]
 
     def segment_memory(self, a: int, b: int, before: Choice) -> float:
         """Extra bytes a recompute segment a..b holds: its stored input when nothing else saves it (only
@@ -169,30 +171,27 @@ class Problem:
 
     def stock_picks(self) -> list[int] | None:
         """The keep-everything picks, or None when some op offers no keep choice."""
-        picks = [next((k for k, c in enumerate(cs) if c.decision.action == "keep"), None) for cs in self.choices]
+        picks = [next((k for k, c in enumerate(cs) if c.decision.action == Action.KEEP), None)
+                 for cs in self.choices]
         return None if None in picks else picks
 
     def is_stock(self, picks: Sequence[int]) -> bool:
         """Whether a layer with ``picks`` keeps every activation (and so runs megatron's own forward)."""
-        return all(self.choices[i][k].decision.action == "keep" for i, k in enumerate(picks))
+        return all(c.decision.action == _KEEP for c in self._chosen(picks))
 
     def layer_time(self, picks: Sequence[int], *, chain_aware: bool) -> float:
         """The per-layer overhead time of ``picks`` (one choice index per op) under either cost model."""
         fixed = 0.0 if self.is_stock(picks) else self.runtime_overhead_s
         if not chain_aware:
             return fixed + sum(self.choices[i][k].time_s for i, k in enumerate(picks))
+        chosen = self._chosen(picks)
+        starts = {seg.start: seg for seg in segments(c.is_recompute for c in chosen)}
         total = fixed
-        i, n = 0, self.num_ops
-        while i < n:
-            c = self.choices[i][picks[i]]
-            if not c.is_recompute:
+        for i, c in enumerate(chosen):  # in op order, so the sum rounds as it always has
+            if i in starts:
+                total += self.segment_cost(i, starts[i].stop - 1, chosen[i - 1])
+            elif not c.is_recompute:
                 total += c.time_s
-                i += 1
-                continue
-            a = i
-            while i < n and self.choices[i][picks[i]].is_recompute:
-                i += 1
-            total += self.segment_cost(a, i - 1, self.choices[a - 1][picks[a - 1]])
         return total
 
     def segment_cost(self, a: int, b: int, before: Choice) -> float:
@@ -237,7 +236,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
     cs_scale, rc_scale = profile.codec_time_scale, profile.recompute_time_scale
     choices: list[list[Choice]] = []
     for spec, op in zip(OPS, profile.ops):
-        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, float(op.stash_bytes.get("keep", 0)))]
+        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, float(op.stash_bytes.get(Action.KEEP, 0)))]
         names = spec.codecs if codecs == "all" else (spec.default_codec,)
         if codec_substitutes:
             names = tuple(dict.fromkeys(codec_substitutes.get(n, n) for n in names

@@ -13,16 +13,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME, Action
 from megatron_adacc.adacc.policy.policy import Decision, Policy
 from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS, check_signature
+from megatron_adacc.core.errors import AdaccError
 
 FORMAT = "megatron-adacc-policy"
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("policy.schema.json")
 
 
-class PolicySchemaError(ValueError):
+class PolicySchemaError(AdaccError, ValueError):
     """A policy file does not follow the schema; ``field`` is the path of the offending field."""
 
     def __init__(self, field: str, problem: str, source: str | None = None):
@@ -95,10 +96,10 @@ def _decision_from_json(obj: Any, path: str, op: str) -> Decision:
     if action not in ACTIONS:
         raise PolicySchemaError(f"{path}.action", f"is {action!r}; expected one of {', '.join(ACTIONS)}")
     spec = OPS_BY_NAME[op]
-    if action == "recompute" and not spec.recomputable:
+    if action == Action.RECOMPUTE and not spec.recomputable:
         raise PolicySchemaError(f"{path}.action", f"op {op!r} is the layer's checkpoint and cannot be "
                                 "recomputed (eq. 6); use keep or compress")
-    if action != "compress":
+    if action != Action.COMPRESS:
         extra = [k for k in ("codec",) if obj.get(k) is not None]
         if extra:
             raise PolicySchemaError(f"{path}.codec", f"must be absent for action {action!r}")
@@ -116,7 +117,7 @@ def _decision_from_json(obj: Any, path: str, op: str) -> Decision:
         if not isinstance(v, (int, float, str, bool)) or (isinstance(v, float) and not math.isfinite(v)):
             raise PolicySchemaError(f"{path}.codec_params.{k}", f"must be a finite number, string or boolean, "
                                     f"got {v!r}")
-    return Decision("compress", codec, dict(params))
+    return Decision(Action.COMPRESS, codec, dict(params))
 
 
 def policy_from_json(obj: Any, *, source: str | None = None) -> Policy:

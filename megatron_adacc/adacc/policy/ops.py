@@ -4,24 +4,43 @@ This is the single definition shared by the policy maker (profiler, MILP, policy
 that executes policies. A decision on an op applies to the op's OUTPUT activation, i.e. what later ops save
 for backward. The first op's output is the layer's checkpoint: it is kept or compressed, never recomputed
 (eq. 6 of the Adacc paper).
+
+It also names what can happen to an op's output (:class:`Action`) and defines, once for the runtime, the
+memory predictor, the cost model and the MILPs, which ops backward re-runs together (:func:`segments`).
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-ACTIONS: tuple[str, ...] = ("keep", "compress", "recompute")
-"""The three per-op actions of the paper: retention (R_{i,2}), compression (R_{i,1}), recomputation (R_{i,0})."""
+from megatron_adacc.codecs.keep import KeepCodec
+from megatron_adacc.codecs.registry import CODECS as _CODEC_CLASSES
 
-CODECS: tuple[str, ...] = (
-    "int4_outlier",
-    "int4_channelwise",
-    "int4_asymmetric",
-    "int4_symmetric",
-    "bitmask",
-    "stochastic",
-)
-"""Codec names known to the policy files (implemented in ``megatron_adacc.codecs``)."""
+
+class Action(str, enum.Enum):
+    """The three per-op actions of the paper: retention (R_{i,2}), compression (R_{i,1}), recomputation (R_{i,0}).
+
+    A ``str`` enum: a member equals, hashes and formats as its value, so policy files, profile keys and
+    callers that still pass ``"keep"`` work unchanged. (Not ``enum.StrEnum``, which Python 3.10 lacks.)
+    """
+
+    KEEP = "keep"
+    COMPRESS = "compress"
+    RECOMPUTE = "recompute"
+
+    # Enum installs its own __str__ ("Action.KEEP") and __format__ (which follows it from Python 3.12) on
+    # every subclass; take str's, as enum.StrEnum does, so a member prints, formats and hashes as its value
+    # (the hash already comes from str through the MRO: stated so dict lookups by value can rely on it).
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+ACTIONS: tuple[Action, ...] = tuple(Action)
+"""Every action, in the order policy files and messages list them."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,14 @@ OPS: tuple[OpSpec, ...] = (
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 OPS_BY_NAME: dict[str, OpSpec] = {op.name: op for op in OPS}
 
+CODECS: tuple[str, ...] = tuple(dict.fromkeys(
+    [op.default_codec for op in OPS] + [name for name in _CODEC_CLASSES if name != KeepCodec.name]))
+"""Codecs a compress decision may name: the codec registry's (:mod:`megatron_adacc.codecs.registry` owns
+the names) but ``keep``, which is the keep action rather than a compression. Listed as policy files' schema
+and messages list them: the ops' layer-specific codecs first, then the others in registry order."""
+
+assert {c for op in OPS for c in op.codecs} <= set(CODECS), "an op names a codec the codec registry lacks"
+
 OUTLIER_CODEC = "int4_outlier"
 """The outlier-separated codec whose compression ratio drifts during training (section 3.4)."""
 
@@ -81,3 +108,45 @@ def op_spec(name: str) -> OpSpec:
         return OPS_BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown op {name!r}; the ops of a transformer layer are {', '.join(OP_NAMES)}") from None
+
+
+# ------------------------------------------------------------------------------------- recompute segments
+def segments(recomputed: Iterable[bool]) -> list[range]:
+    """The recompute segments of one layer: its maximal runs of consecutive recomputed ops, as ranges of op
+    indices in forward order.
+
+    ``recomputed`` has one flag per op, in forward order (e.g. ``d.action == Action.RECOMPUTE`` for each
+    decision of the layer). Backward re-runs each segment as a whole from its stored inputs: the values its
+    ops read that no op of the segment produces (:func:`megatron_adacc.adacc.runtime.ops.segment_inputs`), of
+    which the output of op ``seg.start - 1``, stored (kept or compressed) by maximality, is one; a segment
+    that starts at op 0 reads the layer's input instead (a layer never recomputes op 0, its checkpoint).
+
+    Only the flags count: a kept op that saves no tensor still separates two segments, and a recomputed op
+    that saves none still belongs to its run (whether such a segment holds anything after forward is the
+    memory model's question, not this one's). No recomputed op gives ``[]``.
+    """
+    found: list[range] = []
+    start = 0
+    for flag, run in itertools.groupby(bool(f) for f in recomputed):
+        stop = start + sum(1 for _ in run)
+        if flag:
+            found.append(range(start, stop))
+        start = stop
+    return found
+
+
+def candidate_segments(recomputable: Sequence[bool], start: int) -> Iterator[range]:
+    """Every recompute segment a layer policy can have after storing op ``start - 1``, for the enumerations
+    of policies (the Pareto DP, the chain-aware MILP's graph): ``range(start, stop)`` for ``stop`` from
+    ``start`` (the empty segment: op ``start`` is stored too) up to the first op at or after ``start`` that
+    cannot be recomputed (``recomputable[i]`` is False: it must be stored), or to the number of ops (the
+    segment runs to the layer's end).
+
+    Op ``stop`` is the next stored op, so each candidate is maximal: it is the one of :func:`segments` that
+    starts at ``start`` in a layer storing ops ``start - 1`` and ``stop``.
+    """
+    n = len(recomputable)
+    for stop in range(start, n + 1):
+        yield range(start, stop)
+        if stop < n and not recomputable[stop]:
+            return

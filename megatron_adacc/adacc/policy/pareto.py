@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from megatron_adacc.adacc.policy.cost_model import Problem
+from megatron_adacc.adacc.policy.cost_model import Choice, Problem
+from megatron_adacc.adacc.policy.ops import candidate_segments
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,12 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
 def _front_capped(problem: Problem, chain_aware: bool, cap: float) -> list[ParetoPoint]:
     n = problem.num_ops
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
+    recomputable = [k is not None for k in rec]
 
-    def segment(a: int, b: int, before_k: int, before_op: int) -> float:
+    def segment_time(seg: range, before: Choice) -> float:
         if chain_aware:
-            return problem.segment_cost(a, b, problem.choices[before_op][before_k])
-        return sum(problem.choices[i][rec[i]].time_s for i in range(a, b + 1))
+            return problem.segment_cost(seg.start, seg.stop - 1, before)
+        return sum(problem.choices[i][rec[i]].time_s for i in seg)
 
     # states[j][k]: Pareto set of prefixes 0..j that store op j with choice k
     states: list[dict[int, list[ParetoPoint]]] = [dict() for _ in range(n)]
@@ -107,14 +109,14 @@ def _front_capped(problem: Problem, chain_aware: bool, cap: float) -> list[Paret
     final: list[ParetoPoint] = []
     for j in range(n):
         for k, prefix in states[j].items():
-            # the ops after j up to the next stored op are recomputed; stop at the first op that cannot be
-            for nxt in range(j + 1, n + 1):
-                seg = (j + 1, nxt - 1)
-                seg_cost = segment(seg[0], seg[1], k, j) if nxt - 1 >= j + 1 else 0.0
-                seg_picks = tuple(rec[i] for i in range(j + 1, nxt))
-                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in range(j + 1, nxt))
-                stash = (problem.segment_memory(j + 1, nxt - 1, problem.choices[j][k])
-                         if chain_aware and nxt > j + 1 else 0.0)
+            # the ops after j up to the next stored op nxt are recomputed
+            for seg in candidate_segments(recomputable, j + 1):
+                nxt = seg.stop
+                seg_cost = segment_time(seg, problem.choices[j][k]) if seg else 0.0
+                seg_picks = tuple(rec[i] for i in seg)
+                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in seg)
+                stash = (problem.segment_memory(seg.start, seg.stop - 1, problem.choices[j][k])
+                         if chain_aware and seg else 0.0)
                 if nxt == n:
                     final.extend(ParetoPoint(p.memory_bytes + stash, p.time_s + seg_cost, p.picks + seg_picks,
                                              p.recompute_bytes + seg_remat, p.decompress_bytes) for p in prefix)
@@ -127,8 +129,6 @@ def _front_capped(problem: Problem, chain_aware: bool, cap: float) -> list[Paret
                                                   p.time_s + seg_cost + c2.time_s, p.picks + seg_picks + (k2,),
                                                   p.recompute_bytes + seg_remat,
                                                   max(p.decompress_bytes, c2.remat_bytes)) for p in prefix)
-                if nxt < n and rec[nxt] is None:
-                    break
         if j + 1 < n:
             for k2 in states[j + 1]:
                 states[j + 1][k2] = _prune(states[j + 1][k2], _recompute_cost)

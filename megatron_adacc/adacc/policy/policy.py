@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, OPS_BY_NAME
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, OPS_BY_NAME, Action
 
 DEFAULT_CODEC_PARAMS: dict[str, dict[str, Any]] = {
     # Z-score threshold of eq. 1; 3 is the paper's setting.
@@ -20,41 +20,44 @@ DEFAULT_CODEC_PARAMS: dict[str, dict[str, Any]] = {
 class Decision:
     """What happens to one op's output activation."""
 
-    action: str
+    action: Action
+    """An :class:`Action`; its value (``"keep"``) is accepted too and turned into the member."""
     codec: str | None = None
     codec_params: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"unknown action {self.action!r}; expected one of {', '.join(ACTIONS)}")
-        if self.action == "compress":
+        # frozen: the normalization has to go around the dataclass's __setattr__
+        object.__setattr__(self, "action", Action(self.action))
+        if self.action == Action.COMPRESS:
             if self.codec not in CODECS:
                 raise ValueError(f"compress needs a codec, one of {', '.join(CODECS)}; got {self.codec!r}")
         elif self.codec is not None:
-            raise ValueError(f"action {self.action!r} takes no codec (got {self.codec!r})")
+            raise ValueError(f"action {self.action.value!r} takes no codec (got {self.codec!r})")
 
     @staticmethod
     def keep() -> Decision:
-        return Decision("keep")
+        return Decision(Action.KEEP)
 
     @staticmethod
     def recompute() -> Decision:
-        return Decision("recompute")
+        return Decision(Action.RECOMPUTE)
 
     @staticmethod
     def compress(codec: str, **params: Any) -> Decision:
         merged = dict(DEFAULT_CODEC_PARAMS.get(codec, {}))
         merged.update(params)
-        return Decision("compress", codec, merged)
+        return Decision(Action.COMPRESS, codec, merged)
 
     @property
     def label(self) -> str:
         """Short human label: ``keep``, ``recompute`` or ``compress:<codec>``."""
-        return f"compress:{self.codec}" if self.action == "compress" else self.action
+        return f"compress:{self.codec}" if self.action == Action.COMPRESS else self.action.value
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"action": self.action}
-        if self.action == "compress":
+        out: dict[str, Any] = {"action": self.action.value}
+        if self.action == Action.COMPRESS:
             out["codec"] = self.codec
             out["codec_params"] = dict(self.codec_params)
         return out
@@ -68,9 +71,9 @@ def parse_decision(value: str | Decision, op: str) -> Decision:
     if isinstance(value, Decision):
         return value
     spec = OPS_BY_NAME[op]
-    if value in ("keep", "recompute"):
+    if value in (Action.KEEP, Action.RECOMPUTE):
         return Decision(value)
-    if value == "compress":
+    if value == Action.COMPRESS:
         return Decision.compress(spec.default_codec)
     if value.startswith("compress:"):
         value = value.split(":", 1)[1]
@@ -108,10 +111,10 @@ class Policy:
                 raise ValueError(f"layer {index} has {len(layer)} decisions; expected {len(OPS)} "
                                  f"({', '.join(OP_NAMES)})")
             for op, d in zip(OPS, layer):
-                if d.action == "recompute" and not op.recomputable:
+                if d.action == Action.RECOMPUTE and not op.recomputable:
                     raise ValueError(f"layer {index}: op {op.name!r} is the layer's checkpoint and cannot be "
                                      "recomputed")
-                if d.action == "compress" and d.codec not in op.codecs:
+                if d.action == Action.COMPRESS and d.codec not in op.codecs:
                     raise ValueError(f"layer {index}: codec {d.codec!r} does not apply to op {op.name!r}; "
                                      f"it accepts {', '.join(op.codecs)}")
 
@@ -125,9 +128,6 @@ class Policy:
 
     def layer_decisions(self, layer: int) -> dict[str, Decision]:
         return dict(zip(OP_NAMES, self.layers[layer]))
-
-    def is_uniform(self) -> bool:
-        return all(layer == self.layers[0] for layer in self.layers)
 
     def same_decisions(self, other: Policy) -> bool:
         return self.layers == other.layers
@@ -151,8 +151,8 @@ class Policy:
         if isinstance(spec, (str, Decision)):
             layer = []
             for op in OPS:
-                if not op.recomputable and (spec == "recompute" or
-                                            (isinstance(spec, Decision) and spec.action == "recompute")):
+                if not op.recomputable and (spec == Action.RECOMPUTE or
+                                            (isinstance(spec, Decision) and spec.action == Action.RECOMPUTE)):
                     layer.append(Decision.keep())
                 else:
                     layer.append(parse_decision(spec, op.name))
@@ -160,7 +160,7 @@ class Policy:
             unknown = set(spec) - set(OP_NAMES)
             if unknown:
                 raise ValueError(f"unknown op(s) {sorted(unknown)}; the ops are {', '.join(OP_NAMES)}")
-            layer = [parse_decision(spec.get(op, "keep"), op) for op in OP_NAMES]
+            layer = [parse_decision(spec.get(op, Action.KEEP), op) for op in OP_NAMES]
         else:
             if len(spec) != len(OPS):
                 raise ValueError(f"need one decision per op ({len(OPS)}), got {len(spec)}")
@@ -169,12 +169,12 @@ class Policy:
 
     @classmethod
     def all_keep(cls, num_layers: int) -> Policy:
-        return cls.uniform("keep", num_layers, name="keep")
+        return cls.uniform(Action.KEEP, num_layers, name="keep")
 
     @classmethod
     def all_recompute(cls, num_layers: int) -> Policy:
         """Megatron-style full recompute: only the layer's checkpoint (first op's output) is stored."""
-        return cls.uniform("recompute", num_layers, name="recompute")
+        return cls.uniform(Action.RECOMPUTE, num_layers, name="recompute")
 
     @classmethod
     def quantize_all(cls, num_layers: int) -> Policy:
@@ -183,13 +183,20 @@ class Policy:
 
     @classmethod
     def preset(cls, name: str, num_layers: int) -> Policy:
-        """A named preset: ``keep``, ``recompute`` or ``quantize-all`` (underscores accepted)."""
-        key = name.replace("_", "-").lower()
-        table = {"keep": cls.all_keep, "all-keep": cls.all_keep, "recompute": cls.all_recompute,
-                 "all-recompute": cls.all_recompute, "quantize-all": cls.quantize_all}
-        if key not in table:
-            raise ValueError(f"unknown policy preset {name!r}; presets are keep, recompute, quantize-all")
-        return table[key](num_layers)
+        """A named preset (:data:`PRESET_NAMES`, or a spelling :func:`preset_key` accepts)."""
+        key = preset_key(name)
+        if key is None:
+            raise ValueError(f"unknown policy preset {name!r}; presets are {', '.join(PRESET_NAMES)}")
+        return {"keep": cls.all_keep, "recompute": cls.all_recompute, "quantize-all": cls.quantize_all}[key](num_layers)
 
 
 PRESET_NAMES: tuple[str, ...] = ("keep", "recompute", "quantize-all")
+"""The presets ``--adacc-policy`` accepts besides ``none``, ``auto`` and a file."""
+_PRESET_ALIASES = {"all-keep": "keep", "all-recompute": "recompute"}
+
+
+def preset_key(name: str) -> str | None:
+    """The preset ``name`` means (underscores, upper case and the ``all-`` spellings accepted), or None."""
+    key = str(name).replace("_", "-").lower()
+    key = _PRESET_ALIASES.get(key, key)
+    return key if key in PRESET_NAMES else None

@@ -13,8 +13,11 @@ from typing import Any
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
 PROFILE_VERSION = 3
-"""2: ``workspace_bytes`` is only the policy-independent transient (version 1 also counted one layer's
-activations, which the cost model now derives per policy)."""
+"""The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
+them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
+mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
+counted one layer's activations, which the cost model now derives per policy); 3 added ``runtime_overhead_s``,
+the runtime's fixed per-layer cost, and times ``step_time_s`` through megatron's own forward."""
 
 
 @dataclass
@@ -202,6 +205,11 @@ def analytic_profile(sig: dict[str, Any], *, device: str = "analytic", flops_per
     tensor once at ``codec_bytes_per_s``. INT4 codecs store 4 bits per value plus one fp32 scale (and an
     offset for asymmetric) per ``group_size`` values; outlier-separated INT4 also stores ``outlier_fraction``
     of the channels unquantized.
+
+    The sizes are not the codecs' own ``compressed_nbytes``: those agree for the grouped codecs on tensors a
+    whole number of groups long (a test pins it), but the channel-wise and outlier codecs' formulas follow the
+    tensor's layout (a scale per channel or per row), which this shape-free model does not have. Switching
+    would change every profile made here and the policies solved from them.
     """
     e = {"float32": 4, "float16": 2, "bfloat16": 2}.get(sig["dtype"], 4)
     s, b, h = sig["seq_length"], sig["micro_batch_size"], sig["hidden_size"]

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from megatron_adacc.adacc.policy.io import FORMAT, SCHEMA_PATH, SCHEMA_VERSION
-from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, Action
 from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS
 
 
@@ -22,17 +22,17 @@ def json_schema() -> dict[str, Any]:
         "required": ["op", "action"],
         "properties": {
             "op": {"enum": list(OP_NAMES)},
-            "action": {"enum": list(ACTIONS)},
+            "action": {"enum": [a.value for a in ACTIONS]},
             "codec": {"enum": list(CODECS)},
             "codec_params": {"type": "object", "additionalProperties": {"type": ["number", "string", "boolean"]}},
         },
         "allOf": [
-            {"if": {"properties": {"action": {"const": "compress"}}}, "then": {"required": ["codec"]},
+            {"if": {"properties": {"action": {"const": Action.COMPRESS.value}}}, "then": {"required": ["codec"]},
              "else": {"not": {"required": ["codec"]}}},
-            *({"if": {"properties": {"op": {"const": op.name}, "action": {"const": "compress"}}},
+            *({"if": {"properties": {"op": {"const": op.name}, "action": {"const": Action.COMPRESS.value}}},
                "then": {"properties": {"codec": {"enum": list(op.codecs)}}}} for op in OPS),
             *({"if": {"properties": {"op": {"const": op.name}}},
-               "then": {"properties": {"action": {"enum": ["keep", "compress"]}}}}
+               "then": {"properties": {"action": {"enum": [Action.KEEP.value, Action.COMPRESS.value]}}}}
               for op in OPS if not op.recomputable),
         ],
     }

@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Any
 
+from megatron_adacc.core.errors import AdaccError
+
 SIGNATURE_FIELDS: tuple[str, ...] = (
     "hidden_size",
     "num_attention_heads",
@@ -89,7 +91,7 @@ def signature_diff(expected: dict[str, Any], actual: dict[str, Any]) -> dict[str
     return {k: (expected.get(k), actual.get(k)) for k in SIGNATURE_FIELDS if expected.get(k) != actual.get(k)}
 
 
-class SignatureMismatchError(ValueError):
+class SignatureMismatchError(AdaccError, ValueError):
     """A policy or profile was made for another model."""
 
     def __init__(self, what: str, diff: dict[str, tuple[Any, Any]]):

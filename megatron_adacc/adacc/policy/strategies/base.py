@@ -11,6 +11,7 @@ import pulp
 
 from megatron_adacc.adacc.policy.cost_model import Problem
 from megatron_adacc.adacc.policy.policy import Decision, Policy
+from megatron_adacc.core.errors import AdaccError
 
 MS = 1e3
 """Time enters the MILP in milliseconds; memory in units of 1/1000 of the room left for activations
@@ -21,7 +22,7 @@ def memory_unit(room: float | None) -> float:
     return max(room or 0.0, 1.0) / 1000.0
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(AdaccError, ValueError):
     """No policy fits the memory budget."""
 
     def __init__(self, budget_bytes: float, min_feasible_bytes: int, detail: str = ""):

@@ -19,6 +19,7 @@ from collections import defaultdict
 import pulp
 
 from megatron_adacc.adacc.policy.cost_model import Problem
+from megatron_adacc.adacc.policy.ops import candidate_segments
 from megatron_adacc.adacc.policy.strategies.base import (
     MS,
     SolveResult,
@@ -38,26 +39,26 @@ def _edges(problem: Problem) -> list[tuple[object, object, float, float, float, 
     the ops entered) for every edge of the policy graph."""
     n = problem.num_ops
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
+    recomputable = [k is not None for k in rec]
     edges = [(SOURCE, (0, k), c.time_s, c.memory_bytes, 0.0, c.remat_bytes, (k,))
              for k, c in enumerate(problem.choices[0]) if not c.is_recompute]
     for j in range(n):
         for k, before in enumerate(problem.choices[j]):
             if before.is_recompute:
                 continue
-            for nxt in range(j + 1, n + 1):
-                seg = problem.segment_cost(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
-                seg_picks = tuple(rec[i] for i in range(j + 1, nxt))
-                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in range(j + 1, nxt))
-                stash = problem.segment_memory(j + 1, nxt - 1, before) if nxt > j + 1 else 0.0
+            for seg in candidate_segments(recomputable, j + 1):  # recompute seg, store op seg.stop next
+                nxt = seg.stop
+                cost = problem.segment_cost(seg.start, seg.stop - 1, before) if seg else 0.0
+                seg_picks = tuple(rec[i] for i in seg)
+                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in seg)
+                stash = problem.segment_memory(seg.start, seg.stop - 1, before) if seg else 0.0
                 if nxt == n:
-                    edges.append(((j, k), SINK, seg, stash, seg_remat, 0.0, seg_picks))
+                    edges.append(((j, k), SINK, cost, stash, seg_remat, 0.0, seg_picks))
                 else:
                     for k2, c2 in enumerate(problem.choices[nxt]):
                         if not c2.is_recompute:
-                            edges.append(((j, k), (nxt, k2), seg + c2.time_s, c2.memory_bytes + stash,
+                            edges.append(((j, k), (nxt, k2), cost + c2.time_s, c2.memory_bytes + stash,
                                           seg_remat, c2.remat_bytes, seg_picks + (k2,)))
-                if nxt < n and rec[nxt] is None:
-                    break
     return edges
 
 
