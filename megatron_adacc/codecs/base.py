@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.saved import unique_storage_bytes
+
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 """Input dtypes every quantizing codec accepts."""
 
@@ -24,7 +27,7 @@ codecs). Without the flush, ``1 / scale`` overflows for groups whose values are 
 ``0 * inf`` would turn zeros into NaN. The absolute error this adds is below ``8 * 2**-100``."""
 
 
-class NonFiniteInputError(ValueError):
+class NonFiniteInputError(AdaccError, ValueError):
     """The tensor holds NaN or Inf; the caller should keep it uncompressed.
 
     Quantization of a group that contains a NaN or an infinity would scale every other value in the group
@@ -60,11 +63,7 @@ class Packed:
     @property
     def nbytes(self) -> int:
         """Exact bytes held: the sum of the distinct storages kept (a storage shared twice counts once)."""
-        seen: dict[int, int] = {}
-        for t in self.tensors.values():
-            storage = t.untyped_storage()
-            seen[storage.data_ptr() if storage.nbytes() else id(t)] = storage.nbytes()
-        return sum(seen.values())
+        return unique_storage_bytes(self.tensors.values())
 
     @property
     def numel(self) -> int:

@@ -5,7 +5,7 @@ same float32 operations in the same order, so the tests compare the two bit for 
 implementation when the extension is not built (``backend() == "reference"``); it is correct there, only
 slower and more memory hungry.
 
-Shared conventions (also documented in ``csrc/adacc_kernels.h``):
+Shared conventions (also documented in ``csrc/adacc_common.h``):
 
 * Values are read as float32; every scale and offset is float32; no fused multiply-add anywhere.
 * Rounding is round-half-to-even (``torch.round``, ``rint`` in C++), applied after clamping to the code

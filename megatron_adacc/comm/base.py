@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from megatron_adacc.core.saved import unique_storage_bytes
+
 
 @dataclass(frozen=True)
 class PayloadSpec:
@@ -106,11 +108,7 @@ class Memory(ABC):
 
     def residual_bytes(self) -> int:
         """Residual bytes actually held: the sum of the distinct storages of :meth:`stored_tensors`."""
-        seen: dict[int, int] = {}
-        for t in self.stored_tensors().values():
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+        return unique_storage_bytes(self.stored_tensors().values())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {key: t.detach().clone() for key, t in self.stored_tensors().items()}

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_adacc.core.saved import unique_storage_bytes
+
 __all__ = ["LiveGradientMeter"]
 
 
@@ -24,7 +26,7 @@ class LiveGradientMeter:
     """Peak bytes of simultaneously alive gradient tensors, sampled at each parameter's gradient arrival."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._refs: dict[int, tuple[weakref.ref, int]] = {}
+        self._refs: dict[int, weakref.ref] = {}
         self.peak_bytes = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                          for p in params if p.requires_grad]
@@ -33,12 +35,13 @@ class LiveGradientMeter:
         g = p.grad
         if g is None:
             return
-        self._refs[id(p)] = (weakref.ref(g), g.untyped_storage().nbytes())
+        self._refs[id(p)] = weakref.ref(g)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
 
     def live_bytes(self) -> int:
-        """Bytes of the gradients seen so far that are still alive now."""
-        return sum(n for ref, n in self._refs.values() if ref() is not None)
+        """Bytes of the gradients seen so far that are still alive now (gradients viewing one buffer count it
+        once)."""
+        return unique_storage_bytes(ref() for ref in self._refs.values())
 
     def reset(self) -> None:
         self._refs.clear()

@@ -15,6 +15,7 @@ from megatron_adacc.adacc.integration import dispatch as glue
 from megatron_adacc.adacc.policy.io import save_policy
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.runtime import accounting
+from megatron_adacc.core.patching import is_patched
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, tiny_config
 
 
@@ -45,7 +46,7 @@ def test_install_is_idempotent_and_uninstall_restores(model):
     megatron_adacc.install("keep", config=cfg)
     patched = _entry()
     assert patched is not original and patched.__wrapped__ is original
-    assert getattr(patched, glue.MARKER)
+    assert is_patched(patched)
     megatron_adacc.install(Policy.all_recompute(2), config=cfg)
     assert _entry() is patched  # not wrapped twice
     assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "uniform", 1)

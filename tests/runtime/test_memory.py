@@ -13,8 +13,8 @@ from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.runtime import memory_report, predict_layer_memory, profile_layer_sizes
 from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward
 from megatron_adacc.adacc.runtime.memory import _codecs_of
+from megatron_adacc.core.saved import SavedTensorMeter
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, tiny_batch
-from megatron_adacc.training.memory import SavedTensorMeter
 
 S, B, H, HEADS, FFN = 32, 2, 64, 4, 256
 F32 = 4

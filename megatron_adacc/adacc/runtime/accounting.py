@@ -12,6 +12,9 @@ from typing import Any
 _ENABLED = True
 _LATEST: dict[int, Any] = {}
 _SIZES: dict[int, Any] = {}
+# The policy the layers run under (a Policy, or a preset name until the first forward sizes it), set by
+# whoever installs it (megatron_adacc.adacc.integration), so that reports need no import of the installer.
+_POLICY: Any = None
 
 
 def is_enabled() -> bool:
@@ -40,6 +43,17 @@ def record_sizes(layer: int, sizes: Any) -> None:
 
 def sizes() -> dict[int, Any]:
     return dict(sorted(_SIZES.items()))
+
+
+def set_policy(policy: Any) -> None:
+    """Record the policy the layers now run under (None: no policy installed)."""
+    global _POLICY
+    _POLICY = policy
+
+
+def policy() -> Any:
+    """The policy the layers run under, or None."""
+    return _POLICY
 
 
 def clear() -> None:

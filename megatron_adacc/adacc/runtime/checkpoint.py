@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.ops import OP_NAMES, Action, segments
 from megatron_adacc.adacc.runtime import accounting
 from megatron_adacc.adacc.runtime.ops import (
     LAYER_INPUTS,
@@ -48,6 +48,8 @@ from megatron_adacc.adacc.runtime.ops import (
     run_ops,
     segment_inputs,
 )
+from megatron_adacc.codecs import NonFiniteInputError
+from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
 
 # ------------------------------------------------------------------------------------------------ codecs
 _CODEC_CACHE: dict[tuple, Any] = {}
@@ -125,39 +127,29 @@ def compress_tensor(t: torch.Tensor, op: str, is_output: bool, decision: Any) ->
     """
     if t.dtype == torch.bool:
         return MASK_CODEC, MASK_CODEC.compress(t)
-    if t.is_floating_point() and not is_output and op in RNG_OPS:
+    if not t.is_floating_point():
+        return None
+    return compress_float(t, op, is_output, decision)
+
+
+def compress_float(t: torch.Tensor, op: str, is_output: bool, decision: Any) -> tuple[Any, Any] | None:
+    """:func:`compress_tensor` for a floating ``t``: the float dropout multiplier an RNG op saves internally
+    goes to :class:`MaskCodec`; with the ``bitmask`` codec anything else is kept (None)."""
+    if not is_output and op in RNG_OPS:
         scale = MaskCodec.float_mask_scale(t)
         if scale is not None:
             return MASK_CODEC, MASK_CODEC.compress(t, scale)
-    if decision.codec == "bitmask" or not t.is_floating_point():
+    if decision.codec == "bitmask":
         return None
     codec = codec_for(decision.codec, decision.codec_params)
     return codec, codec.compress(t)
 
 
-def _nonfinite_error() -> type[BaseException]:
-    from megatron_adacc.codecs import NonFiniteInputError
-
-    return NonFiniteInputError
-
-
 # ------------------------------------------------------------------------------------------------ handles
-def storage_ptr(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (views of one tensor share it)."""
-    return t.untyped_storage().data_ptr()
+class _Handle(SavedHandle):
+    """What a pack hook returns instead of a tensor; ``unpack()`` gives the tensor back."""
 
-
-def _geometry(t: torch.Tensor) -> tuple:
-    return (storage_ptr(t), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype)
-
-
-class _Handle:
-    """What a pack hook returns instead of a tensor; ``get()`` gives the tensor back."""
-
-    __slots__ = ("__weakref__",)
-
-    def get(self) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    __slots__ = ()
 
 
 class _Compressed(_Handle):
@@ -166,7 +158,7 @@ class _Compressed(_Handle):
     def __init__(self, codec: Any, packed: Any, op: str):
         self.codec, self.packed, self.op = codec, packed, op
 
-    def get(self) -> torch.Tensor:
+    def unpack(self) -> torch.Tensor:
         return self.codec.decompress(self.packed)
 
 
@@ -182,14 +174,13 @@ class _Recomputed(_Handle):
     def __init__(self, segment: _Segment, key: tuple):
         self.segment, self.key, self.value = segment, key, None
 
-    def get(self) -> torch.Tensor:
+    def unpack(self) -> torch.Tensor:
         if self.value is None:
             self.segment.materialize()
         return self.value
 
 
-def _unpack(obj: Any) -> torch.Tensor:
-    return obj.get() if isinstance(obj, _Handle) else obj
+_unpack = SavedTensorStore.unpack
 
 
 def _discard(_obj: Any) -> None:  # pragma: no cover - the recompute graph is never backpropagated
@@ -221,9 +212,7 @@ def _capture_rng() -> tuple:
 def rng_state_nbytes(states: tuple) -> int:
     """Bytes held by one captured RNG state tuple."""
     cpu, cuda, tracker = states
-    tensors = [cpu, cuda, *tracker.values()]
-    seen = {storage_ptr(t): t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
-    return sum(seen.values())
+    return unique_storage_bytes([cpu, cuda, *tracker.values()])
 
 
 # ------------------------------------------------------------------------------------------------ segments
@@ -330,68 +319,65 @@ class LayerMemory:
         return self.input_bytes + sum(self.per_op.values()) + self.stash_bytes + self.rng_bytes + self.stock_bytes
 
 
-class _Frame:
-    """The state of one layer forward under a policy (dropped when the forward returns)."""
+class _Frame(SavedTensorStore):
+    """The state of one layer forward under a policy (dropped when the forward returns).
+
+    The store's rules are those of the ``compress`` decision: dropout masks go to :class:`MaskCodec`, NaN/Inf
+    tensors are kept (counted in ``fallbacks``), an op output saved twice is compressed once. Storages kept
+    for backward are counted in the store's ledger under the op they belong to.
+    """
+
+    fallback_errors = (NonFiniteInputError,)
+    # Only op outputs are de-duplicated, and release() retires them when they die.
+    weak_dedup = False
 
     def __init__(self, layer: torch.nn.Module, decisions: Mapping[str, Any], ops: Sequence[LayerOp]):
+        super().__init__(layer.parameters())
         self.decisions = decisions
         self.ops = ops
-        self.param_ptrs = {storage_ptr(p) for p in layer.parameters()}
         self.external: set[int] = set()
         self.producer: dict[int, tuple[str, str]] = {}
-        self.compressed: dict[tuple, _Compressed] = {}
         self.packed_handles: dict[int, _Compressed] = {}     # payloads a saved variable references
-        self.kept: dict[int, tuple[int, str]] = {}          # storage -> (bytes, op)
-        self.nonfinite = 0
         self.shared: dict[int, int] = {}                      # layer inputs saved as they are (storage -> bytes)
         self.segment_of: dict[str, _Segment] = {}
         self.segments: list[_Segment] = []
-        run: list[LayerOp] = []
-        for op in list(ops) + [None]:
-            if op is not None and decisions[op.name].action == "recompute":
-                run.append(op)
-                continue
-            if run:
-                seg = _Segment(run)
-                self.segments.append(seg)
-                for r in run:
-                    self.segment_of[r.name] = seg
-                run = []
+        for run in segments(decisions[op.name].action == Action.RECOMPUTE for op in ops):
+            seg = _Segment([ops[i] for i in run])
+            self.segments.append(seg)
+            for op in seg.ops:
+                self.segment_of[op.name] = seg
         self.current_op = ""
         self.pack_index = 0
 
     # -- storing one tensor under the decision of the op that owns it
     def _keep(self, t: torch.Tensor, op: str, from_pack: bool) -> torch.Tensor:
         if from_pack:
-            self.kept.setdefault(storage_ptr(t), (t.untyped_storage().nbytes(), op))
+            self.count_storage(t, op)
         return t
+
+    def pack_mask(self, t: torch.Tensor, op: str, is_output: bool) -> _Compressed:
+        return _Compressed(MASK_CODEC, MASK_CODEC.compress(t), op)
+
+    def compress(self, t: torch.Tensor, op: str, is_output: bool) -> _Compressed | None:
+        result = compress_float(t, op, is_output, self.decisions[op])
+        return None if result is None else _Compressed(result[0], result[1], op)
 
     def _compress(self, t: torch.Tensor, op: str, is_output: bool, from_pack: bool) -> Any:
         # Deduplicate only tensors whose storage the layer's environment keeps alive for the whole forward
         # (op outputs and their views). An op's internal tensor (a dropout mask) dies once compressed, and
         # the allocator may hand its address to the next tensor, so its geometry is no identity.
-        key = _geometry(t) if is_output else None
-        handle = self.compressed.get(key) if key is not None else None
-        if handle is None:
-            try:
-                result = compress_tensor(t, op, is_output, self.decisions[op])
-            except _nonfinite_error():
-                self.nonfinite += 1
-                result = None
-            if result is None:
-                return self._keep(t, op, from_pack)
-            handle = _Compressed(result[0], result[1], op)
-            if key is not None:
-                self.compressed[key] = handle
+        handle = self.save(t, tensor_key(t) if is_output else None, op, is_output)
+        if isinstance(handle, torch.Tensor):
+            return self._keep(t, op, from_pack)
         if from_pack:
             self.packed_handles[id(handle)] = handle
         return handle
 
     def store(self, t: torch.Tensor, op: str, output_name: str | None, index: int, from_pack: bool) -> Any:
         action = self.decisions[op].action
-        if action == "keep":
+        if action == Action.KEEP:
             return self._keep(t, op, from_pack)
-        if action == "compress":
+        if action == Action.COMPRESS:
             return self._compress(t, op, output_name is not None, from_pack)
         seg = self.segment_of[op]
         if output_name is not None:
@@ -407,9 +393,9 @@ class _Frame:
     def pack(self, t: torch.Tensor) -> Any:
         index = self.pack_index
         self.pack_index += 1
-        ptr = storage_ptr(t)
-        if ptr in self.param_ptrs or isinstance(t, torch.nn.Parameter):
+        if self.is_model_tensor(t):
             return t
+        ptr = storage_ptr(t)
         if ptr in self.external:
             self.shared.setdefault(ptr, t.untyped_storage().nbytes())
             return t
@@ -445,17 +431,16 @@ class _Frame:
                 if isinstance(entry.value, torch.Tensor):
                     live.add(storage_ptr(entry.value))
         for ptr in released:
-            if ptr in live or ptr in self.kept or ptr in self.param_ptrs or ptr in self.external:
+            if ptr in live or ptr in self.storages or ptr in self.model_storages or ptr in self.external:
                 continue
             self.producer.pop(ptr, None)
-            for key in [k for k in self.compressed if k[0] == ptr]:
-                del self.compressed[key]
+            self.forget(ptr)
 
     def register_outputs(self, op: str, outputs: Mapping[str, Any]) -> None:
         for name, value in outputs.items():
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 ptr = storage_ptr(value)
-                if ptr not in self.param_ptrs and ptr not in self.external:
+                if ptr not in self.model_storages and ptr not in self.external:
                     self.producer.setdefault(ptr, (op, name))
 
 
@@ -536,23 +521,25 @@ def stock_layer_forward(
 
     if not (accounting.is_enabled() and torch.is_grad_enabled()):
         return call()
-    params = {storage_ptr(p) for p in layer.parameters()}
+    kept = SavedTensorStore(layer.parameters())  # only its parameter rule and storage ledger are used
     external = {storage_ptr(v) for v in (attention_mask, *_flatten(rotary_pos_emb)) if isinstance(v, torch.Tensor)}
     own_input = storage_ptr(hidden_states)
-    kept: dict[int, int] = {}
     shared: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = storage_ptr(t)
-        if ptr != own_input and ptr not in params and not isinstance(t, torch.nn.Parameter):
-            (shared if ptr in external else kept)[ptr] = t.untyped_storage().nbytes()
+        if ptr != own_input and not kept.is_model_tensor(t):
+            if ptr in external:
+                shared[ptr] = t.untyped_storage().nbytes()
+            else:
+                kept.count_storage(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
         output = call()
     accounting.record(LayerMemory(layer=-1 if layer_index is None else layer_index,
                                   input_bytes=hidden_states.untyped_storage().nbytes(),
-                                  stock_bytes=sum(kept.values()), shared=shared))
+                                  stock_bytes=kept.storage_bytes, shared=shared))
     return output
 
 
@@ -586,10 +573,10 @@ def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None
     mem = LayerMemory(layer=-1 if layer_index is None else layer_index)
     mem.input_bytes = hidden_states.untyped_storage().nbytes()
     seen: set[int] = {storage_ptr(hidden_states)}
-    for ptr, (nbytes, op) in frame.kept.items():
+    for ptr, kept in frame.storages.items():
         if ptr not in seen:
             seen.add(ptr)
-            mem.per_op[op] += nbytes
+            mem.per_op[kept.owner] += kept.nbytes
     for handle in frame.packed_handles.values():
         mem.per_op[handle.op] += handle.packed.nbytes
     counted = set(frame.packed_handles)
@@ -609,13 +596,11 @@ def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None
                 if id(value) not in counted:
                     counted.add(id(value))
                     mem.stash_bytes += value.packed.nbytes
-            elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                ptr = storage_ptr(value)
-                if ptr not in seen and ptr not in frame.param_ptrs and ptr not in frame.external:
-                    seen.add(ptr)
-                    mem.stash_bytes += value.untyped_storage().nbytes()
+            elif isinstance(value, torch.Tensor) and not frame.is_model_tensor(value):
+                if storage_ptr(value) not in frame.external:
+                    mem.stash_bytes += unique_storage_bytes([value], seen)
         if seg.rng is not None:
             mem.rng_bytes += rng_state_nbytes(seg.rng)
-    mem.nonfinite_fallbacks = frame.nonfinite
+    mem.nonfinite_fallbacks = frame.fallbacks
     mem.shared = {ptr: n for ptr, n in frame.shared.items() if ptr != storage_ptr(hidden_states)}
     return mem

@@ -26,17 +26,16 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.ops import OP_NAMES, Action, segments
 from megatron_adacc.adacc.runtime import accounting
 from megatron_adacc.adacc.runtime.checkpoint import (
     LayerMemory,
     _capture_rng,
-    _geometry,
     compress_tensor,
     rng_state_nbytes,
-    storage_ptr,
 )
-from megatron_adacc.adacc.runtime.ops import LAYER_INPUTS, PRODUCER, RNG_OPS, initial_env, layer_ops
+from megatron_adacc.adacc.runtime.ops import LAYER_INPUTS, PRODUCER, RNG_OPS, initial_env, layer_ops, segment_inputs
+from megatron_adacc.core.saved import storage_ptr, tensor_key, unique_storage_bytes
 
 CodecKey = tuple  # (codec name, sorted params)
 
@@ -92,7 +91,7 @@ class LayerSizes:
 def _codecs_of(decisions: Mapping[str, Any]) -> dict[str, set[CodecKey]]:
     out: dict[str, set[CodecKey]] = {name: set() for name in OP_NAMES}
     for name, d in decisions.items():
-        if d.action == "compress":
+        if d.action == Action.COMPRESS:
             out[name].add(codec_key(d.codec, d.codec_params))
     return out
 
@@ -129,7 +128,7 @@ def profile_layer_sizes(
         owner, name = producer.get(ptr, (current["op"], None))
         counts[owner] += 1
         # Mirror the runtime: only op outputs (alive for the whole forward) are deduplicated by geometry.
-        key = _geometry(t) if name is not None else ("internal", counts[owner])
+        key = tensor_key(t) if name is not None else ("internal", counts[owner])
         saved[owner].setdefault(key, (t, name is not None))
         return t
 
@@ -151,13 +150,13 @@ def profile_layer_sizes(
     for name in OP_NAMES:
         s = sizes[name]
         tensors = saved[name]
-        storages = {storage_ptr(t): t.untyped_storage().nbytes() for t, _ in tensors.values()}
-        s.saved_bytes = sum(storages.values())
+        saved_ptrs = {storage_ptr(t) for t, _ in tensors.values()}
+        s.saved_bytes = unique_storage_bytes(t for t, _ in tensors.values())
         s.saved_count = counts[name]
         op = next(o for o in ops if o.name == name)
         outs = [env[o] for o in op.outputs if isinstance(env[o], torch.Tensor)
                 and not isinstance(env[o], torch.nn.Parameter)]
-        s.output_bytes = sum({storage_ptr(t): t.untyped_storage().nbytes() for t in outs}.values())
+        s.output_bytes = unique_storage_bytes(outs)
         for key in codecs[name]:
             s.compressed_bytes[key] = _packed_bytes(tensors.values(), name, key)
         for out_name in op.outputs:
@@ -165,9 +164,9 @@ def profile_layer_sizes(
             if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
                 continue
             ptr = storage_ptr(value)
-            s.stash_keep_bytes[out_name] = 0 if ptr in storages else value.untyped_storage().nbytes()
+            s.stash_keep_bytes[out_name] = 0 if ptr in saved_ptrs else value.untyped_storage().nbytes()
             s.stash_compressed_bytes[out_name] = {
-                key: 0 if _geometry(value) in tensors else _packed_bytes([(value, True)], name, key)
+                key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key)
                 for key in codecs[name]
             }
     return LayerSizes(ops=sizes, input_bytes=hidden_states.untyped_storage().nbytes(), rng_bytes=rng_bytes)
@@ -179,19 +178,19 @@ def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: Co
     from megatron_adacc.adacc.policy.policy import Decision
     from megatron_adacc.codecs import NonFiniteInputError
 
-    decision = Decision("compress", key[0], dict(key[1]))
+    decision = Decision(Action.COMPRESS, key[0], dict(key[1]))
     total = 0
-    kept: dict[int, int] = {}
+    kept: list[torch.Tensor] = []
     for t, is_output in entries:
         try:
             result = compress_tensor(t.detach(), op, is_output, decision)
         except NonFiniteInputError:
             result = None
         if result is None:
-            kept[storage_ptr(t)] = t.untyped_storage().nbytes()
+            kept.append(t)
         else:
             total += result[1].nbytes
-    return total + sum(kept.values())
+    return total + unique_storage_bytes(kept)
 
 
 def _flat(value: Any) -> list:
@@ -200,44 +199,30 @@ def _flat(value: Any) -> list:
     return [value]
 
 
-def _segments(decisions: Mapping[str, Any]) -> list[list[str]]:
-    segments: list[list[str]] = []
-    run: list[str] = []
-    for name in list(OP_NAMES) + [None]:
-        if name is not None and decisions[name].action == "recompute":
-            run.append(name)
-        elif run:
-            segments.append(run)
-            run = []
-    return segments
-
-
 def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer: int = -1) -> LayerMemory:
     """The bytes a layer run under ``decisions`` holds for backward, from its profiled ``sizes``."""
-    from megatron_adacc.adacc.runtime.ops import _TABLE
-
-    inputs_of = {row[0]: row[1] for row in _TABLE}
     mem = LayerMemory(layer=layer, input_bytes=sizes.input_bytes)
     for name in OP_NAMES:
         d = decisions[name]
         s = sizes.ops[name]
-        if d.action == "keep":
+        if d.action == Action.KEEP:
             mem.per_op[name] = s.saved_bytes
-        elif d.action == "compress":
+        elif d.action == Action.COMPRESS:
             mem.per_op[name] = s.compress_cost(codec_key(d.codec, d.codec_params))
-    segments = _segments(decisions)
-    seg_of = {name: i for i, seg in enumerate(segments) for name in seg}
+    segs = [[OP_NAMES[i] for i in run]
+            for run in segments(decisions[name].action == Action.RECOMPUTE for name in OP_NAMES)]
+    seg_of = {name: i for i, seg in enumerate(segs) for name in seg}
     live: set[int] = set()
-    for i in reversed(range(len(segments))):
-        seg = segments[i]
+    for i in reversed(range(len(segs))):
+        seg = segs[i]
         if any(sizes.ops[name].saved_count for name in seg) or i in live:
             live.add(i)
-            for value in _segment_input_names(seg, inputs_of):
+            for value in segment_inputs(seg):
                 if value in PRODUCER and PRODUCER[value] in seg_of:
                     live.add(seg_of[PRODUCER[value]])
     for i in sorted(live):
-        seg = segments[i]
-        for value in _segment_input_names(seg, inputs_of):
+        seg = segs[i]
+        for value in segment_inputs(seg):
             if value in LAYER_INPUTS or value not in PRODUCER:
                 continue
             producer = PRODUCER[value]
@@ -245,24 +230,13 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
             s = sizes.ops[producer]
             if value not in s.stash_keep_bytes:  # a Parameter (bias) or None
                 continue
-            if d.action == "keep":
+            if d.action == Action.KEEP:
                 mem.stash_bytes += s.stash_keep_bytes[value]
-            elif d.action == "compress":
+            elif d.action == Action.COMPRESS:
                 mem.stash_bytes += s.stash_compressed_bytes[value][codec_key(d.codec, d.codec_params)]
         if any(name in RNG_OPS for name in seg):
             mem.rng_bytes += sizes.rng_bytes
     return mem
-
-
-def _segment_input_names(seg: list[str], inputs_of: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
-    produced: set[str] = set()
-    needed: list[str] = []
-    for name in seg:
-        for value in inputs_of[name]:
-            if value not in produced and value not in needed:
-                needed.append(value)
-        produced.update(o for o, p in PRODUCER.items() if p == name)
-    return tuple(needed)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -275,9 +249,7 @@ def memory_report(policy: Any = None) -> dict[str, Any]:
     counted once and not in the per-layer figures). ``policy`` defaults to the installed one.
     """
     if policy is None:
-        from megatron_adacc.adacc.integration import installed_policy
-
-        policy = installed_policy()
+        policy = accounting.policy()
     rows = []
     for index, measured in accounting.latest().items():
         row: dict[str, Any] = {"layer": index, "measured_bytes": measured.total_bytes, "measured": measured}

@@ -93,15 +93,20 @@ def run_ops(ops: Sequence[LayerOp], env: Env) -> Env:
     return env
 
 
-def segment_inputs(ops: Sequence[LayerOp]) -> tuple[str, ...]:
-    """Names a run of consecutive ops reads but does not produce itself (its stored inputs), in first-use order."""
+def segment_inputs(ops: Sequence[LayerOp] | Sequence[str]) -> tuple[str, ...]:
+    """Names a run of consecutive ops (a recompute segment: :func:`megatron_adacc.adacc.policy.ops.segments`)
+    reads but does not produce itself (its stored inputs), in first-use order.
+
+    ``ops`` are :class:`LayerOp` or op names: the dataflow is the same, and the memory predictor has no layer.
+    """
     produced: set[str] = set()
     needed: list[str] = []
     for op in ops:
-        for name in op.inputs:
+        inputs, outputs = _DATAFLOW[op] if isinstance(op, str) else (op.inputs, op.outputs)
+        for name in inputs:
             if name not in produced and name not in needed:
                 needed.append(name)
-        produced.update(op.outputs)
+        produced.update(outputs)
     return tuple(needed)
 
 
@@ -275,6 +280,9 @@ assert tuple(row[0] for row in _TABLE) == OP_NAMES, "runtime ops out of sync wit
 
 #: Output name -> the op that produces it.
 PRODUCER: dict[str, str] = {out: row[0] for row in _TABLE for out in row[2]}
+
+#: Op name -> (inputs, outputs), for :func:`segment_inputs` of op names.
+_DATAFLOW: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {row[0]: (row[1], row[2]) for row in _TABLE}
 
 
 def layer_ops(layer: torch.nn.Module) -> list[LayerOp]:

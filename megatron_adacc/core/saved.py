@@ -1,0 +1,246 @@
+"""What every saved-tensor hook of megatron-adacc shares: which tensors to leave alone, storing a tensor once,
+packing dropout masks, falling back on tensors a codec refuses, and counting the bytes of distinct storages.
+
+:class:`SavedTensorStore` is the pack/unpack pair for ``torch.autograd.graph.saved_tensors_hooks``; Adacc's
+runtime (one layer forward under a policy), GACT's compressor and the saved-tensor meter specialise it.
+:func:`unique_storage_bytes` is the one way bytes are counted: by distinct storage, so views of one tensor,
+or a tensor saved twice, count once.
+
+The mask packer and the compressor are hooks of the subclass rather than code here: core imports no other
+package of megatron-adacc, and the features pack masks with the codecs' compiled 1-bit kernel (Adacc also
+routes CPU dropout's float multipliers through it), which a pure-torch copy here would only duplicate.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["CountedStorage", "SavedHandle", "SavedTensorStore", "storage_ptr", "tensor_key", "unique_storage_bytes"]
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (every view of one tensor shares it)."""
+    return t.untyped_storage().data_ptr()
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """Identity of one view: storage, offset, size, stride and dtype. Two tensors with the same key read the
+    same values, so one stored copy serves both."""
+    return (storage_ptr(t), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype)
+
+
+def unique_storage_bytes(tensors: Iterable[Any], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (items that are not tensors are skipped).
+
+    ``seen`` holds the storages already counted; pass one set to several calls to count each storage once
+    across all of them (it is updated in place). Empty storages add nothing and are not recorded: they all
+    share the null address, and none of them holds a byte.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += nbytes
+    return total
+
+
+class SavedHandle:
+    """What a pack hook hands autograd instead of a tensor; :meth:`unpack` gives the tensor back."""
+
+    __slots__ = ("__weakref__",)
+
+    def unpack(self) -> torch.Tensor:  # pragma: no cover - abstract
+        """The saved tensor, restored for backward."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class CountedStorage:
+    """One storage in a store's ledger (:meth:`SavedTensorStore.count_storage`)."""
+
+    ref: weakref.ref
+    """A weak reference to the tensor that brought the storage in: while it lives, so does the storage."""
+    nbytes: int
+    """Bytes of the storage."""
+    owner: Any = None
+    """Whatever the subclass files the storage under (Adacc: the op it is attributed to)."""
+
+
+class SavedTensorStore:
+    """The saved-tensor pack/unpack pair, with the rules every feature applies to what autograd saves.
+
+    :meth:`pack` (the hook) leaves model tensors alone and hands everything else to :meth:`save`, which
+    stores each tensor once (:meth:`dedup_key`) through :meth:`store_tensor`, which classifies it:
+
+    * a ``bool`` tensor (a dropout mask) goes to :meth:`pack_mask`, the subclass's lossless 1-bit packer;
+    * a floating tensor goes to :meth:`compress`, which returns a packed handle or None to keep it; an
+      exception in :attr:`fallback_errors` (NaN/Inf the codec refuses) keeps it too, counted in
+      :attr:`fallbacks`;
+    * anything else (indices) is kept.
+
+    A kept tensor is stored by reference: the hook returns the tensor itself. Subclasses that need context
+    (the op a tensor belongs to) pass it to :meth:`save` and receive it back in the two hooks.
+    """
+
+    fallback_errors: tuple[type[BaseException], ...] = ()
+    """Exceptions of :meth:`compress` meaning "this tensor cannot be compressed, keep it as it is"."""
+    weak_dedup: bool = True
+    """Whether a stored copy serves a later tensor only while the first tensor is alive. Needed when tensors
+    die during the store's life (their memory, and so their key, may be reused); a subclass that retires
+    keys itself (:meth:`forget`) sets it False."""
+
+    def __init__(self, model_tensors: Iterable[torch.Tensor | None] = ()):
+        self.model_storages: set[int] = set()
+        """Storages of parameters and buffers, which are never stored or counted."""
+        self.set_model_tensors(model_tensors)
+        self.fallbacks = 0
+        """Tensors kept because :meth:`compress` raised one of :attr:`fallback_errors` (since :meth:`clear`)."""
+        self.dedup_hits = 0
+        """Saves answered with an earlier stored copy (since :meth:`clear`)."""
+        self.storages: dict[int, CountedStorage] = {}
+        """The ledger of :meth:`count_storage`: ``{storage id: CountedStorage}``."""
+        self._dedup: dict[Hashable, tuple[weakref.ref | None, Any]] = {}
+
+    # ------------------------------------------------------------------ model tensors
+    def set_model_tensors(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Remember the storages of the model's parameters and buffers (None entries are skipped)."""
+        self.model_storages = {storage_ptr(t) for t in tensors if t is not None}
+
+    def is_model_tensor(self, t: torch.Tensor) -> bool:
+        """True for a parameter, or any view of a model tensor's storage: autograd keeps those anyway."""
+        return isinstance(t, torch.nn.Parameter) or storage_ptr(t) in self.model_storages
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def dedup_key(self, t: torch.Tensor) -> Hashable | None:
+        """The identity under which :meth:`pack` stores ``t`` once, or None for no de-duplication: a tuple
+        that starts with the storage id (:meth:`forget` relies on it). The version counter is part of the
+        default: a tensor modified in place after a save is a new value."""
+        return (*tensor_key(t), t._version)
+
+    def pack_mask(self, t: torch.Tensor, *context: Any) -> Any:
+        """Store bool tensor ``t`` losslessly in 1 bit per value: a handle, or None to keep ``t``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it packs dropout masks")
+
+    def compress(self, t: torch.Tensor, *context: Any) -> Any:
+        """Store floating tensor ``t``: a handle, or None to keep ``t`` (the default)."""
+        return None
+
+    # ------------------------------------------------------------------ the hooks
+    def pack(self, t: torch.Tensor) -> Any:
+        """The pack hook: model tensors as they are, anything else through :meth:`save`."""
+        if self.is_model_tensor(t):
+            return t
+        return self.save(t, self.dedup_key(t))
+
+    @staticmethod
+    def unpack(obj: Any) -> Any:
+        """The unpack hook: the tensor behind a :class:`SavedHandle`, anything else as it is."""
+        return obj.unpack() if isinstance(obj, SavedHandle) else obj
+
+    def save(self, t: torch.Tensor, key: Hashable | None, *context: Any) -> Any:
+        """What autograd should hold for ``t``: the copy stored under ``key`` if any, else a new one."""
+        if key is not None:
+            entry = self._dedup.get(key)
+            # A dead first tensor means the address was freed and may now hold something else.
+            if entry is not None and (entry[0] is None or entry[0]() is not None):
+                self.dedup_hits += 1
+                return entry[1]
+        stored = self.store_tensor(t, *context)
+        if key is not None:
+            self._dedup[key] = (weakref.ref(t) if self.weak_dedup else None, stored)
+        return stored
+
+    def store_tensor(self, t: torch.Tensor, *context: Any) -> Any:
+        """Classify ``t`` and store it: the handle :meth:`pack_mask` or :meth:`compress` made, or ``t``."""
+        if t.dtype is torch.bool:
+            stored = self.pack_mask(t, *context)
+        elif t.is_floating_point():
+            try:
+                stored = self.compress(t, *context)
+            except self.fallback_errors:
+                # Quantizing NaN/Inf would poison its whole group: keep the tensor exact (the loss scaler
+                # then sees the overflow, as it would without compression).
+                self.fallbacks += 1
+                stored = None
+        else:
+            stored = None
+        return t if stored is None else stored
+
+    def forget(self, ptr: int) -> None:
+        """Retire every stored copy of storage ``ptr`` (it is being freed, and its address may be reused)."""
+        for key in [k for k in self._dedup if k[0] == ptr]:
+            del self._dedup[key]
+
+    def clear(self) -> None:
+        """Drop every stored copy (releasing the store's references to them), the ledger and the counters."""
+        self._dedup.clear()
+        self.storages.clear()
+        self.fallbacks = 0
+        self.dedup_hits = 0
+
+    # ------------------------------------------------------------------ accounting
+    def count_storage(self, t: torch.Tensor, owner: Any = None) -> int:
+        """Add ``t``'s storage to the ledger under ``owner``: its bytes the first time this (live) storage is
+        counted, else 0. A storage whose tensor has died is counted afresh, as its address may be reused."""
+        ptr = storage_ptr(t)
+        entry = self.storages.get(ptr)
+        if entry is not None and entry.ref() is not None:
+            return 0
+        nbytes = t.untyped_storage().nbytes()
+        self.storages[ptr] = CountedStorage(weakref.ref(t), nbytes, owner)
+        return nbytes
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of the storages in the ledger (each counted once; alive or since freed)."""
+        return sum(entry.nbytes for entry in self.storages.values())
+
+
+class SavedTensorMeter(SavedTensorStore):
+    """Context manager measuring the bytes held for backward by tensors saved inside it.
+
+    It counts the unique storages of every tensor saved through ``save_for_backward`` or by built-in ops,
+    parameters excluded. No allocator distorts it, so it is the figure to compare activation policies by on
+    any device. It is itself a saved-tensor hook, and only the innermost hooks see a tensor: when a feature
+    installs its own hooks (Adacc compress, GACT), that feature reports the bytes it holds instead.
+
+    A :class:`~megatron_adacc.core.saved.SavedTensorStore` that stores every tensor as it is: parameters are
+    left out, and everything else is counted in the store's ledger, once per storage.
+    """
+
+    def __init__(self, params: list[torch.Tensor] | None = None):
+        super().__init__(params or [])
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count ``tensor``'s storage (unless it is a parameter's) and hand the tensor back unchanged."""
+        if not self.is_model_tensor(tensor):
+            self.count_storage(tensor)
+        return tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the distinct storages saved since the meter was created or last :meth:`reset`."""
+        return self.storage_bytes
+
+    def reset(self) -> None:
+        """Forget what was counted so far."""
+        self.clear()
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
