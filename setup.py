@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
@@ -101,7 +102,27 @@ def extensions() -> list:
     return [ext]
 
 
+class BuildPyWithConfigs(build_py):
+    """Also copy the top-level ``configs/*.toml`` into the built package as ``megatron_adacc/configs/``.
+
+    A wheel holds only what is inside the package, and ``adacc train --config NAME`` must find the configs
+    after ``pip install``; the checkout keeps them at the top level, where users look for them.
+    ``megatron_adacc.core.config_files`` reads the package copy when there is one, else the checkout's.
+    An editable install needs no copy: it runs from the checkout.
+    """
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = Path(self.build_lib) / "megatron_adacc" / "configs"
+        self.mkpath(str(target))
+        for path in sorted((ROOT / "configs").glob("*.toml")):
+            self.copy_file(str(path), str(target / path.name))
+
+
 setup(
     ext_modules=extensions(),
-    cmdclass={"build_ext": _torch_build_helpers().BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _torch_build_helpers().BuildExtension.with_options(use_ninja=True),
+              "build_py": BuildPyWithConfigs},
 )

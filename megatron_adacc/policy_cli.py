@@ -11,11 +11,10 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 from megatron_adacc.adacc.policy.io import load_policy, save_policy
 from megatron_adacc.adacc.policy.ops import OP_NAMES
-from megatron_adacc.adacc.policy.policy import Policy
+from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy
 from megatron_adacc.adacc.policy.profile import LayerProfile, analytic_profile
 from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
@@ -24,7 +23,7 @@ from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, paper
 
 
 def _fmt_bytes(n: float | None) -> str:
-    from megatron_adacc.training.memory import format_bytes
+    from megatron_adacc.core.units import format_bytes
 
     return format_bytes(n, digits=2)
 
@@ -53,8 +52,11 @@ def _add_solve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="Memory budget (e.g. 12GiB); same as --adacc-memory-budget.")
     g.add_argument("--output", "-o", default="adacc-policy.json", help="Where to write the policy file.")
-    g.add_argument("--adacc-codecs", choices=("default", "all"), default="default",
-                   help="default: each op's layer-specific codec (the paper); all: every applicable codec.")
+    # Not --adacc-codecs: beside the training flag --adacc-codec (a codec family) that name read as its plural.
+    # The destination stays adacc_codecs, which SolveOptions.from_args reads.
+    g.add_argument("--candidate-codecs", dest="adacc_codecs", choices=("default", "all"), default="default",
+                   help="Which profiled codecs the MILP may choose per op. default: each op's layer-specific "
+                        "codec (the paper); all: every codec that applies to the op.")
     g.add_argument("--analytic", action="store_true",
                    help="Solve from shape formulas instead of a measured profile (no model run; a first guess).")
 
@@ -68,36 +70,6 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> SimpleNamespace:
     from megatron_adacc.training.args import parse_train_args
 
     return parse_train_args(argv, parser)
-
-
-def add_subcommands(subparsers: Any) -> None:
-    """Register ``profile``, ``solve`` and ``show`` on an ``argparse`` subparsers object; each sets
-    ``func(args) -> int``. (Config-file defaults are applied inside the command.)"""
-    from megatron_adacc.training.args import add_train_args
-
-    for name, help_, adder, func in (
-        ("profile", "profile per-op costs of a transformer layer into the profile database", _add_profile_flags,
-         cmd_profile),
-        ("solve", "solve Adacc's MILP for a memory budget and write a policy file", _add_solve_flags, cmd_solve),
-    ):
-        p = add_train_args(subparsers.add_parser(name, help=help_, description=help_))
-        adder(p)
-        p.set_defaults(func=lambda args, p=p, func=func: func(_with_config(args, p)))
-    p = subparsers.add_parser("show", help="print a policy file as a per-op table",
-                              description="Print a policy file as a per-op table beside its peers.")
-    _add_show_flags(p)
-    p.set_defaults(func=cmd_show)
-
-
-def _with_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SimpleNamespace:
-    """Apply ``--config`` file values to flags left at their defaults (what parse_train_args does)."""
-    from megatron_adacc.training.args import load_config
-
-    values = vars(args).copy()
-    for key, value in load_config(values["config"], parser).items():
-        if values.get(key) == parser.get_default(key):
-            values[key] = value
-    return SimpleNamespace(**values)
 
 
 def main(argv: list[str]) -> int:
@@ -246,7 +218,7 @@ def render_policy(policy: Policy, profile: LayerProfile | None = None, *, all_la
     peers: list[list[str]] = [["this policy", _fmt_bytes(pred.get("memory_bytes")), _fmt_ms(pred.get("time_s"))]]
     if profile is not None:
         chain = bool(policy.solver.get("chain_aware", True))
-        for name in ("keep", "recompute", "quantize-all"):
+        for name in PRESET_NAMES:
             try:
                 ev = evaluate_policy(profile, Policy.preset(name, policy.num_layers), chain_aware=chain)
                 peers.append([name, _fmt_bytes(ev["memory_bytes"]), _fmt_ms(ev["time_s"])])

@@ -36,12 +36,14 @@ import torch
 
 from megatron_adacc.comm.base import ParamSlot
 from megatron_adacc.comm.pipeline import CompressedReducer
-from megatron_adacc.compat.versions import megatron_line, megatron_version
+from megatron_adacc.compat.versions import megatron_line
+from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.patching import mark, patch, unpatch
 
 _MARK = "__megatron_adacc_resireduce__"
 
 
-class UnsupportedDDPConfig(ValueError):
+class UnsupportedDDPConfig(AdaccError, ValueError):
     """A Megatron DDP configuration the compressed reduction cannot serve."""
 
 
@@ -64,7 +66,7 @@ class MegatronAttachment:
     def detach(self) -> None:
         for bg in self.bucket_groups:
             if _MARK in bg.__dict__:
-                del bg.__dict__["start_grad_sync"]
+                unpatch(bg, "start_grad_sync")
                 del bg.__dict__[_MARK]
         self.bucket_groups = []
 
@@ -202,15 +204,15 @@ def attach(ddp_models: Any | Sequence[Any], reducer: CompressedReducer) -> Megat
     reducer.memory.register(attachment.slots)
     for batch, (bg, bg_names) in enumerate(groups):
         state = _BucketGroupState(reducer, bg_names, batch)
-        original = bg.start_grad_sync
-        replacement = types.MethodType(_make_start_grad_sync(line, names, state), bg)
-        replacement.__func__.__wrapped__ = original
-        bg.__dict__["start_grad_sync"] = replacement
+        _replace_start_grad_sync(bg, _make_start_grad_sync(line, names, state))
         bg.__dict__[_MARK] = state
         attachment.bucket_groups.append(bg)
     return attachment
 
 
-def describe_version() -> str:
-    line = megatron_line()
-    return f"megatron-core {megatron_version()} ({'0.17+ prologue' if line >= (0, 17) else '0.16 path'})"
+def _replace_start_grad_sync(bg: Any, start_grad_sync: Any) -> None:
+    """``bg.start_grad_sync`` becomes ``start_grad_sync`` bound to ``bg``: an instance attribute, so the class and
+    the model's other bucket groups stay untouched, and :func:`~megatron_adacc.core.patching.unpatch` restores it.
+    The method is marked here because a bound method cannot take the attributes ``patch`` would copy onto it."""
+    patch(bg, "start_grad_sync", lambda original: mark(types.MethodType(start_grad_sync, bg), original),
+          "the one place Megatron DDP hands a bucket group's gradients to the collective")

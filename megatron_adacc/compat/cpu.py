@@ -24,10 +24,14 @@ import types
 import torch
 
 from megatron_adacc.compat.versions import megatron_line
+from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.patching import mark, patch
 
 log = logging.getLogger(__name__)
 
-_MARKER = "__megatron_adacc_cpu_patched__"
+#: Set on ``megatron.core`` once :func:`apply` has run. The layer is more than its function patches (each of
+#: which carries :mod:`megatron_adacc.core.patching`'s marker): module globals are swapped for the proxy too.
+_APPLIED_FLAG = "__megatron_adacc_cpu_patched__"
 _CPU = torch.device("cpu")
 
 #: Modules whose global ``torch`` is swapped for the proxy. Missing modules (other releases) are skipped.
@@ -55,7 +59,7 @@ _PROXIED_MODULES = (
 )
 
 
-class CudaPresentError(RuntimeError):
+class CudaPresentError(AdaccError, RuntimeError):
     """The CPU layer was asked to activate on a machine that has a CUDA device."""
 
 
@@ -124,8 +128,7 @@ def _factory(fn):
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         return fn(*args, **kwargs)
 
-    wrapper.__wrapped__ = fn
-    return wrapper
+    return mark(wrapper, fn)
 
 
 class _TorchProxy(types.ModuleType):
@@ -201,11 +204,12 @@ def _patch_rng_tracker() -> None:
             torch.set_rng_state(orig_state)
             self._current_state_name = orig_name
 
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
-    for cls_attr, fn in (("add", add), ("fork", fork)):
-        fn.__wrapped__ = getattr(mrandom.CudaRNGStatesTracker, cls_attr)
-        setattr(mrandom.CudaRNGStatesTracker, cls_attr, fn)
+    why = "the CPU layer keeps the RNG tracker's states as CPU generator states"
+    for owner, name, replacement in ((mrandom, "_get_cuda_rng_state", get_state),
+                                     (mrandom, "_set_cuda_rng_state", set_state),
+                                     (mrandom.CudaRNGStatesTracker, "add", add),
+                                     (mrandom.CudaRNGStatesTracker, "fork", fork)):
+        patch(owner, name, lambda _original, replacement=replacement: replacement, why)
 
 
 def _patch_checkpoint_without_output() -> None:
@@ -215,21 +219,20 @@ def _patch_checkpoint_without_output() -> None:
 
     if getattr(mrandom, "HAVE_TE", False):
         return
-    original = mrandom.CheckpointWithoutOutput.__init__
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.fp8 = False
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.fp8 = False
 
-    __init__.__wrapped__ = original
-    mrandom.CheckpointWithoutOutput.__init__ = __init__
+        return __init__
+
+    patch(mrandom.CheckpointWithoutOutput, "__init__", make, "the CPU layer turns FP8 off without transformer-engine")
 
 
 def _patch_clip_grads() -> None:
     """megatron's clip asserts ``grad.type() == 'torch.cuda.FloatTensor'``; the math is a plain scale."""
     from megatron.core.optimizer import clip_grads, optimizer
-
-    original = clip_grads.clip_grad_by_total_norm_fp32
 
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
         if isinstance(parameters, torch.Tensor):
@@ -241,9 +244,11 @@ def _patch_clip_grads() -> None:
             for g in grads:
                 g.copy_(g * clip_coeff)  # the same arithmetic as megatron's local multi_tensor_scale
 
-    clip_grad_by_total_norm_fp32.__wrapped__ = original
-    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    why = "the CPU layer clips gradients without megatron's CUDA type assertion"
+    replacement = patch(clip_grads, "clip_grad_by_total_norm_fp32", lambda _original: clip_grad_by_total_norm_fp32,
+                        why)
+    # the optimizer module imported the function by name before we patched it
+    patch(optimizer, "clip_grad_by_total_norm_fp32", lambda _original: replacement, why)
 
 
 @contextlib.contextmanager
@@ -268,20 +273,15 @@ def _cuda_type_names():
 def _patch_optimizer_type_checks() -> None:
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
-    targets = [(optimizer.Float16OptimizerWithFloat16Params, "__init__"),
-               (distrib_optimizer.DistributedOptimizer, "__init__")]
-    for cls, name in targets:
-        original = cls.__dict__[name]
+    def make(fn):
+        def wrapper(*args, **kwargs):
+            with _cuda_type_names():
+                return fn(*args, **kwargs)
 
-        def make(fn):
-            def wrapper(*args, **kwargs):
-                with _cuda_type_names():
-                    return fn(*args, **kwargs)
+        return wrapper
 
-            wrapper.__wrapped__ = fn
-            return wrapper
-
-        setattr(cls, name, make(original))
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        patch(cls, "__init__", make, "the CPU layer lets megatron's optimizer group CPU parameters by type")
     # A staticmethod/classmethod called from __init__ needs no wrapping: it runs inside the scope above.
 
 
@@ -289,7 +289,7 @@ def is_applied() -> bool:
     """Whether :func:`apply` has run in this process."""
     import megatron.core
 
-    return bool(getattr(megatron.core, _MARKER, False))
+    return bool(getattr(megatron.core, _APPLIED_FLAG, False))
 
 
 def apply() -> None:
@@ -307,7 +307,7 @@ def apply() -> None:
         )
     import megatron.core
 
-    if getattr(megatron.core, _MARKER, False):
+    if getattr(megatron.core, _APPLIED_FLAG, False):
         return
     line = megatron_line()
     for name in _PROXIED_MODULES:
@@ -316,5 +316,5 @@ def apply() -> None:
     _patch_checkpoint_without_output()
     _patch_clip_grads()
     _patch_optimizer_type_checks()
-    setattr(megatron.core, _MARKER, True)
+    setattr(megatron.core, _APPLIED_FLAG, True)
     log.debug("megatron-core %d.%d CPU compatibility layer installed", *line)

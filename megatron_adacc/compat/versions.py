@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
+from megatron_adacc.core.errors import AdaccError
+
 #: Release lines whose internals our patches were written against. 0.16 is the newest line that installs on
 #: Python 3.11; 0.17 and later need Python 3.12, and 0.19 is the line our GPU images use.
 SUPPORTED_LINES: dict[tuple[int, int], str] = {
@@ -22,7 +24,7 @@ SUPPORTED_LINES: dict[tuple[int, int], str] = {
 ALLOW_UNTESTED_ENV = "ADACC_ALLOW_UNTESTED_MEGATRON"
 
 
-class UnsupportedMegatronVersion(RuntimeError):
+class UnsupportedMegatronVersion(AdaccError, RuntimeError):
     """Raised when the installed megatron-core is a release our patches were not written for."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from megatron_adacc.core.patching import mark
+
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 #: Marker set on the parser once our group is added, so chaining twice (e.g. a script that already wraps the
@@ -52,5 +54,4 @@ def extra_args_provider(existing: ArgsProvider | None = None) -> ArgsProvider:
             parser = parser if returned is None else returned
         return add_our_args(parser)
 
-    provider.__wrapped__ = existing  # type: ignore[attr-defined]
-    return provider
+    return mark(provider, existing)

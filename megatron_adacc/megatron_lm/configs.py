@@ -24,16 +24,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+from megatron_adacc.core import config_files
+from megatron_adacc.core.errors import InputNotFound
 
 
 def resolve(name: str | Path) -> Path:
     """A path, or a name in ``configs/`` (``gpt-345m`` -> ``configs/gpt-345m.toml``)."""
-    for candidate in (Path(name), CONFIG_DIR / str(name), CONFIG_DIR / f"{name}.toml"):
-        if candidate.is_file():
-            return candidate
-    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
-    raise FileNotFoundError(f"no config {name!r}: not a file and not in {CONFIG_DIR} (known: {known})")
+    path = config_files.find(name)
+    if path is None:
+        known = ", ".join(config_files.known())
+        raise InputNotFound(f"no config {name!r}: not a file and not in {config_files.config_dir()} "
+                                f"(known: {known})")
+    return path
 
 
 def load(name: str | Path) -> dict[str, Any]:

@@ -8,23 +8,24 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from megatron_adacc.arguments import add_adacc_args, add_megatron_args
+from megatron_adacc.core import config_files
+from megatron_adacc.core.errors import InputNotFound, IntegrationError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "tiny"
 
 
 def resolve_config(name: str) -> Path:
     """A path, or the name of a file in ``configs/`` (``tiny`` -> ``configs/tiny.toml``)."""
-    for candidate in (Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.toml"):
-        if candidate.is_file():
-            return candidate
-    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
-    raise SystemExit(f"--config {name}: no such file, and no configs/{name}.toml (known: {known})")
+    path = config_files.find(name)
+    if path is None:
+        known = ", ".join(config_files.known())
+        raise InputNotFound(f"--config {name}: no such file, and no configs/{name}.toml (known: {known})")
+    return path
 
 
 def load_config(name: str, parser: argparse.ArgumentParser) -> dict:
@@ -32,11 +33,11 @@ def load_config(name: str, parser: argparse.ArgumentParser) -> dict:
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise SystemExit(f"--config {path}: not valid TOML: {exc}") from exc
+        raise IntegrationError(f"--config {path}: not valid TOML: {exc}") from exc
     known = {action.dest for action in parser._actions}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise SystemExit(f"--config {path}: unknown keys {unknown}; keys are flag names with '_' for '-'")
+        raise IntegrationError(f"--config {path}: unknown keys {unknown}; keys are flag names with '_' for '-'")
     return values
 
 

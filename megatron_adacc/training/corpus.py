@@ -19,11 +19,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_adacc.core.errors import AdaccError
+
 CACHE_ENV = "ADACC_CORPUS_CACHE"
 DEFAULT_CACHE = Path("~/.cache/megatron-adacc/corpora")
 
 
-class CorpusUnavailableError(RuntimeError):
+class CorpusUnavailableError(AdaccError, RuntimeError):
     """A registry corpus could not be fetched (no network, a changed file); the message says what to do."""
 
 

@@ -6,14 +6,9 @@ import os
 
 import torch
 
+from megatron_adacc.core.devices import resolve_device
 
-def resolve_device(requested: str) -> torch.device:
-    """``auto`` picks CUDA when present; asking for CUDA without a GPU is an error with the fix."""
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but torch sees no CUDA device; use --device cpu.")
-    return torch.device(requested)
+__all__ = ["free_port", "initialize", "resolve_device"]
 
 
 def initialize(device: torch.device, seed: int) -> tuple[int, int]:

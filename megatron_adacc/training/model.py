@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.training.data import VOCAB_SIZE
 
 
@@ -48,13 +49,13 @@ def check_supported(args: SimpleNamespace) -> None:
     """Refuse configurations megatron-core itself cannot run here, naming the flag to change."""
     if (args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or [])
             and not args.disable_bias_linear):
-        raise SystemExit(
+        raise IntegrationError(
             "--recompute-granularity selective with --recompute-modules mlp and biased linears makes "
             "megatron-core 0.16/0.19 recurse without bound in CheckpointFunction.backward (the fc2 bias "
             "Parameter is returned through the checkpoint). Add --disable-bias-linear or drop 'mlp'."
         )
     if args.recompute_granularity == "full" and not args.recompute_method:
-        raise SystemExit("--recompute-granularity full needs --recompute-method uniform or block "
+        raise IntegrationError("--recompute-granularity full needs --recompute-method uniform or block "
                          "(and --recompute-num-layers), as in Megatron-LM.")
 
 

@@ -40,6 +40,23 @@ def test_apply_is_idempotent():
     assert mrandom.CudaRNGStatesTracker.fork.__wrapped__ is not None
 
 
+def test_every_function_patch_goes_through_the_patching_helper():
+    """Marked and unpatchable like every other patch; the optimizer's by-name import follows the module's."""
+    init_distributed_single()
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megatron_adacc.core.patching import is_patched
+
+    patched = [mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, mrandom.CudaRNGStatesTracker.add,
+               mrandom.CudaRNGStatesTracker.fork, clip_grads.clip_grad_by_total_norm_fp32,
+               optimizer.Float16OptimizerWithFloat16Params.__init__, cpu._TORCH_PROXY.zeros]
+    if not getattr(mrandom, "HAVE_TE", False):
+        patched.append(mrandom.CheckpointWithoutOutput.__init__)
+    assert all(is_patched(fn) and fn.__wrapped__ is not None for fn in patched)
+    assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+
+
 def test_refuses_to_activate_when_cuda_is_present(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(cpu.CudaPresentError, match="CUDA device is present"):

@@ -17,6 +17,7 @@ ARGV = ["--config", "tiny", "--device", "cpu", "--num-layers", "2", "--hidden-si
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from megatron_adacc.adacc.integration.profiler import profile_layer
+    from megatron_adacc.adacc.integration.sample import layer_sample
     from megatron_adacc.training import distributed
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
@@ -28,7 +29,7 @@ def env(tmp_path_factory):
         device = torch.device("cpu")
         distributed.initialize(device, args.seed)
         config = model_lib.transformer_config(args, device)
-        profile = profile_layer(args, config, device=device, repeats=1)
+        profile = profile_layer(layer_sample(args, config, device), args, config, device=device, repeats=1)
     return args, config, profile
 
 
@@ -57,6 +58,35 @@ def test_profile_measures_every_op(env) -> None:
     # the runtime's own cost (keep-all in the runtime against megatron's forward), kept through JSON
     assert 0 <= profile.runtime_overhead_s < profile.step_time_s
     assert LayerProfile.from_json(profile.to_json()).runtime_overhead_s == profile.runtime_overhead_s
+
+
+def test_the_sample_is_the_model_and_batch_adacc_train_builds(env) -> None:
+    """The profiled layer and inputs, built with megatron-core directly, equal what ``adacc train``'s own
+    model builder and sampler give from the same RNG state (so profiles did not change when the profiler
+    stopped importing the training package)."""
+    import copy
+
+    from megatron_adacc.adacc.integration.sample import layer_inputs, layer_sample, one_layer_config
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.data import BatchSampler
+    from megatron_adacc.training.distributed import set_seed
+
+    args, config, _ = env
+    device = torch.device("cpu")
+    with memory_cap(6):
+        set_seed(11)
+        ours = layer_sample(args, config, device)
+        set_seed(11)
+        one_args = copy.copy(args)
+        one_args.num_layers = 1
+        model = model_lib.build_gpt(one_args, one_layer_config(config)).to(device)
+        model.train()
+        batch = next(BatchSampler(args.seq_length, args.micro_batch_size, args.seed))
+        theirs = layer_inputs(model, batch.tokens, batch.position_ids, batch.attention_mask, args.seq_length)
+    assert torch.equal(ours.hidden, theirs.hidden) and torch.equal(ours.mask, theirs.mask)
+    assert (ours.model_params, ours.vocab_size) == (theirs.model_params, theirs.vocab_size)
+    for (name, p), (_, q) in zip(ours.layer.named_parameters(), theirs.layer.named_parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_predicted_layer_bytes_match_the_runtime(env) -> None:
@@ -123,6 +153,18 @@ def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
     assert main(["solve", *ARGV, "--budget", "1KiB", "--adacc-profile-db", args.adacc_profile_db,
                  "-o", str(tmp_path / "x.json")]) == 2
     assert "smallest feasible budget" in capsys.readouterr().err
+
+
+def test_solve_flag_names_the_candidate_codecs() -> None:
+    """``adacc solve --candidate-codecs all`` (once ``--adacc-codecs``, which read as the plural of the training
+    flag ``--adacc-codec``, a codec family) reaches the solver's options."""
+    from megatron_adacc.adacc.policy.solver import SolveOptions
+    from megatron_adacc.policy_cli import _add_solve_flags, _model_parser, _parse
+
+    parser = _model_parser("adacc solve", "")
+    _add_solve_flags(parser)
+    assert SolveOptions.from_args(_parse(parser, ["--candidate-codecs", "all"])).codecs == "all"
+    assert SolveOptions.from_args(_parse(parser, [])).codecs == "default"
 
 
 def test_runtime_stats_feed_evolution(env) -> None:

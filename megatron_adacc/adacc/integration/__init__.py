@@ -2,7 +2,8 @@
 
 See :mod:`.dispatch` for how; :mod:`.checks` refuses configurations the runtime cannot run; :mod:`.auto` makes a
 policy for ``--adacc-policy auto``; :mod:`.evolution` re-solves it during training; :mod:`.profiler` measures
-the costs the solver reads; :mod:`.extension` joins the training hosts.
+the costs the solver reads, on the layer and inputs :mod:`.sample` builds; :mod:`.extension` joins the training
+hosts.
 """
 
 from megatron_adacc.adacc.integration.dispatch import (

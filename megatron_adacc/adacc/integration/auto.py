@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from megatron_adacc.adacc.policy.io import load_policy
-from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy
+from megatron_adacc.adacc.policy.policy import Policy, preset_key
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
+from megatron_adacc.core.devices import resolve_device
 
 
 def _log(msg: str) -> None:
@@ -22,16 +23,17 @@ def _log(msg: str) -> None:
 
 
 def _device(args: Any) -> torch.device:
-    requested = getattr(args, "device", "auto") or "auto"
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+    return resolve_device(getattr(args, "device", "auto"))
 
 
 def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = _log,
                         force: bool = False) -> tuple[LayerProfile, dict[str, Any]]:
-    """The stored profile for this device and model signature, profiling (and storing) it when missing."""
+    """The stored profile for this device and model signature, profiling (and storing) it when missing.
+
+    Profiling builds a one-layer model (:func:`~megatron_adacc.adacc.integration.sample.layer_sample`), which
+    draws from the RNG as the real model's construction does."""
     from megatron_adacc.adacc.integration.profiler import device_name, profile_layer
+    from megatron_adacc.adacc.integration.sample import layer_sample
 
     device = _device(args)
     db = ProfileDB(getattr(args, "adacc_profile_db", None))
@@ -42,7 +44,7 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
         log(f"reusing profile #{pid} from {db.path} ({profile.device})")
         return profile, db.reference(pid, profile)
     log(f"profiling one layer on {device_name(device)} (stored in {db.path})")
-    profile = profile_layer(args, config, device=device, log=log)
+    profile = profile_layer(layer_sample(args, config, device), args, config, device=device, log=log)
     pid = db.put(profile)
     return profile, db.reference(pid, profile)
 
@@ -93,6 +95,6 @@ def resolve_policy(args: Any, config: Any) -> Policy | str | None:
         return None
     if key == "auto":
         return make_policy(args, config)
-    if key in PRESET_NAMES or key in ("all-keep", "all-recompute"):
+    if preset_key(key) is not None:
         return Policy.preset(key, config.num_layers)
     return load_policy(spec, signature=model_signature(config, args))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_adacc.core.errors import AdaccError
 
-class UnsupportedConfigError(ValueError):
+
+class UnsupportedConfigError(AdaccError, ValueError):
     """The model configuration cannot run under an Adacc policy; the message names the flag to change."""
 
 

@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_adacc.adacc.integration.checks import UnsupportedConfigError, check_config, check_layer
+from megatron_adacc.adacc.runtime import accounting
+from megatron_adacc.core.patching import is_patched, patch, target, unpatch
 
 __all__ = ["install", "uninstall", "is_installed", "installed_policy", "build_extension", "UnsupportedConfigError",
            "check_config", "check_layer", "entry_points"]
 
-MARKER = "__megatron_adacc_patched__"
+_CHECKED_ATTR = "_megatron_adacc_layer_checked"  # set on a layer once check_layer accepted it
 _CONFIG_ATTR = "_megatron_adacc_policy"
 _SAVED_ATTR = "_megatron_adacc_saved_recompute"
 _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
@@ -50,7 +52,7 @@ _ENTRY_019 = ("megatron.core.recompute", "checkpointed_forward",
               ("megatron.core.transformer.transformer_block", "megatron.core.transformer.multi_token_prediction",
                "megatron.core.models.hybrid.hybrid_block", "megatron.core.ssm.mamba_block"))
 
-_STATE: dict[str, Any] = {"patched": [], "configs": [], "policy": None, "predict_memory": True, "profiled": set()}
+_STATE: dict[str, Any] = {"patched": [], "configs": [], "predict_memory": True, "profiled": set()}
 
 
 def entry_points(line: tuple[int, int]) -> tuple[str, str, tuple[str, ...]]:
@@ -65,13 +67,13 @@ def entry_points(line: tuple[int, int]) -> tuple[str, str, tuple[str, ...]]:
 # ------------------------------------------------------------------------------------------------ policy
 def _load_policy(spec: Any) -> Any:
     """A ``Policy``, a preset name (resolved per model at first forward), or a policy file path."""
-    from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy
+    from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy, preset_key
 
     if isinstance(spec, Policy):
         return spec
     if isinstance(spec, (str, os.PathLike)):
         text = str(spec)
-        if text.replace("_", "-").lower() in PRESET_NAMES + ("all-keep", "all-recompute"):
+        if preset_key(text) is not None:
             return text
         path = Path(text)
         if not path.exists():
@@ -91,7 +93,7 @@ def _resolve(block: Any, spec: Any) -> Any:
     if isinstance(spec, str):
         policy = Policy.preset(spec, n)
         setattr(block.config, _CONFIG_ATTR, policy)
-        _STATE["policy"] = policy
+        accounting.set_policy(policy)
         return policy
     if spec.num_layers != n:
         raise UnsupportedConfigError(
@@ -102,7 +104,7 @@ def _resolve(block: Any, spec: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------ dispatcher
 def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
-    from megatron_adacc.adacc.runtime import accounting
+    from megatron_adacc.adacc.policy.ops import Action
     from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward, stock_layer_forward
     from megatron_adacc.adacc.runtime.memory import _codecs_of, profile_layer_sizes
 
@@ -117,16 +119,16 @@ def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
     offset = args.get("layer_offset", 0) or 0
     intermediates = []
     for index, layer in enumerate(block.layers):
-        if not getattr(layer, MARKER, False):
+        if not getattr(layer, _CHECKED_ATTR, False):
             check_layer(layer)
-            setattr(layer, MARKER, True)
+            setattr(layer, _CHECKED_ATTR, True)
         decisions = policy.layer_decisions(index)
         if _STATE["predict_memory"] and accounting.is_enabled() and (id(block), index) not in _STATE["profiled"]:
             _STATE["profiled"].add((id(block), index))
             accounting.record_sizes(index, profile_layer_sizes(
                 layer, hidden_states, args.get("attention_mask"), args.get("rotary_pos_emb"),
                 codecs=_codecs_of(decisions)))
-        forward = (stock_layer_forward if all(d.action == "keep" for d in decisions.values())
+        forward = (stock_layer_forward if all(d.action == Action.KEEP for d in decisions.values())
                    else functools.partial(checkpointed_layer_forward, decisions=decisions))
         hidden_states = forward(layer, hidden_states=hidden_states, attention_mask=args.get("attention_mask"),
                                 rotary_pos_emb=args.get("rotary_pos_emb"), layer_index=index)
@@ -148,9 +150,8 @@ def _make_dispatcher(original: Any) -> Any:
         bound.apply_defaults()
         return _run_policy(self, _resolve(self, spec), dict(bound.arguments))
 
-    checkpointed_forward.__wrapped__ = original
+    functools.update_wrapper(checkpointed_forward, original)  # before the docstring: it would overwrite it
     checkpointed_forward.__doc__ = (original.__doc__ or "") + "\n\n(Routed through megatron-adacc's policy runtime.)"
-    setattr(checkpointed_forward, MARKER, True)
     return checkpointed_forward
 
 
@@ -158,33 +159,27 @@ def _patch_entry_point() -> None:
     """Replace megatron's full-recompute entry point with the dispatcher (idempotent, version-guarded)."""
     if _STATE["patched"]:
         return
-    from megatron_adacc.compat.versions import megatron_line, megatron_version
+    from megatron_adacc.compat.versions import megatron_line
 
-    line = megatron_line()
-    module_name, attr_path, importers = entry_points(line)
-    module = importlib.import_module(module_name)
-    owner: Any = module
+    module_name, attr_path, importers = entry_points(megatron_line())
+    why = "megatron's full-recompute entry point, which megatron-adacc routes through its policy runtime"
+    owner: Any = importlib.import_module(module_name)
     *owners, attr = attr_path.split(".")
     for name in owners:
-        owner = getattr(owner, name)
-    original = getattr(owner, attr, None)
-    if original is None:
-        raise UnsupportedConfigError(
-            f"megatron-core {megatron_version()} has no {module_name}.{attr_path}; megatron-adacc's patch targets "
-            "the 0.16 and 0.19 lines")
-    if getattr(original, MARKER, False):
+        owner = target(owner, name, why)
+    original = target(owner, attr, why)
+    if is_patched(original):
         return
-    replacement = _make_dispatcher(original)
-    setattr(owner, attr, replacement)
-    _STATE["patched"].append((owner, attr, original))
+    replacement = patch(owner, attr, _make_dispatcher, why)
+    _STATE["patched"].append((owner, attr))
     for name in importers:
         try:
             importer = importlib.import_module(name)
         except ImportError:
             continue
         if getattr(importer, attr, None) is original:
-            setattr(importer, attr, replacement)
-            _STATE["patched"].append((importer, attr, original))
+            patch(importer, attr, lambda _original: replacement, why)
+            _STATE["patched"].append((importer, attr))
 
 
 # ------------------------------------------------------------------------------------------------ public API
@@ -223,20 +218,18 @@ def install(policy: Any, config: Any = None, *, predict_memory: bool | None = No
     config.recompute_method = "uniform"
     config.recompute_num_layers = 1
     setattr(config, _CONFIG_ATTR, spec)
-    _STATE["policy"] = spec
+    accounting.set_policy(spec)
     if predict_memory is not None:
         _STATE["predict_memory"] = bool(predict_memory)
         _STATE["profiled"] = set()
-    from megatron_adacc.adacc.runtime import accounting
-
     accounting.clear()
     return spec
 
 
 def uninstall() -> None:
     """Undo :func:`install`: original entry points back, configs' recompute fields restored."""
-    for owner, attr, original in reversed(_STATE["patched"]):
-        setattr(owner, attr, original)
+    for owner, attr in reversed(_STATE["patched"]):
+        unpatch(owner, attr)
     _STATE["patched"] = []
     for config in _STATE["configs"]:
         saved = getattr(config, _SAVED_ATTR, None) or {}
@@ -246,7 +239,7 @@ def uninstall() -> None:
             if hasattr(config, attr):
                 delattr(config, attr)
     _STATE["configs"] = []
-    _STATE["policy"] = None
+    accounting.set_policy(None)
     _STATE["predict_memory"] = True
     _STATE["profiled"] = set()
 
@@ -257,7 +250,7 @@ def is_installed() -> bool:
 
 def installed_policy() -> Any:
     """The active policy (a ``Policy`` once the first forward sized a preset), or None."""
-    return _STATE["policy"]
+    return accounting.policy()
 
 
 def build_extension(args: Any, config: Any) -> Any:

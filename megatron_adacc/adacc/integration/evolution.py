@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, Action
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, solve_policy
@@ -55,7 +55,7 @@ class RuntimeStats:
             if not 0 <= layer < policy.num_layers:
                 continue
             for op, d in policy.layer_decisions(layer).items():
-                if d.action == "compress" and d.codec == OUTLIER_CODEC and entry.per_op.get(op):
+                if d.action == Action.COMPRESS and d.codec == OUTLIER_CODEC and entry.per_op.get(op):
                     per_op.setdefault(op, []).append(int(entry.per_op[op]))
         return {op: statistics.fmean(v) for op, v in per_op.items()}
 

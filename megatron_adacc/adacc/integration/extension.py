@@ -37,7 +37,7 @@ class AdaccExtension(TrainingExtension):
         self._first_micro = True
 
     def microbatch_context(self) -> AbstractContextManager:
-        from megatron_adacc.training.memory import SavedTensorMeter
+        from megatron_adacc.core.saved import SavedTensorMeter
 
         if not self._first_micro:
             return contextlib.nullcontext()
@@ -91,3 +91,14 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
     # otherwise show in peak-memory benchmarks.
     predict = os.environ.get("ADACC_PREDICT_MEMORY", "1") != "0"
     return AdaccExtension(policy, config, predict_memory=predict)
+
+
+def build_extensions(args: Any, config: Any) -> list[TrainingExtension]:
+    """``--adacc-policy``'s extensions: the policy's, then evolution's when the policy was solved (``auto``)
+    and evolution is not turned off: only a solved policy carries the profile and budget it re-solves against."""
+    from megatron_adacc.adacc.integration.evolution import build_extension as evolution_extension
+    from megatron_adacc.adacc.policy import Policy
+
+    adacc = build_extension(args, config)
+    evolution = evolution_extension(args, config, adacc.policy) if isinstance(adacc.policy, Policy) else None
+    return [adacc] if evolution is None else [adacc, evolution]

@@ -6,29 +6,55 @@ Per op it records: the bytes its output holds for backward (the runtime's attrib
 segment ``a..b`` of consecutive ops from stored inputs; and, for every applicable codec, compress and
 decompress time and compressed bytes on the real activations (outlier counts are data-dependent).
 Static memory (parameters, gradients, optimizer states) is computed from the parameter count.
+
+The profiler is handed the layer and its inputs (a :class:`LayerSample`); it builds no model and reads no data.
+:mod:`megatron_adacc.adacc.integration.sample` makes the sample ``--adacc-policy auto`` profiles.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, Action
 from megatron_adacc.adacc.policy.policy import DEFAULT_CODEC_PARAMS
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile, OpProfile
 from megatron_adacc.adacc.policy.signature import model_signature
+from megatron_adacc.core.devices import resolve_device
+
+Sync = Callable[[], None]
+CodecKeys = dict[str, set]  # op name -> {codec_key(name, params), ...}
+
+
+@dataclass
+class LayerSample:
+    """What the profiler measures: one transformer layer of the model, real inputs for it, and the two facts
+    about the model around it that the memory figures need."""
+
+    layer: torch.nn.Module
+    """A megatron-core ``TransformerLayer`` (local spec) of the configured shape, in training mode."""
+    hidden: torch.Tensor
+    """The hidden states entering the layer (detached): the embedding of a real batch."""
+    mask: torch.Tensor | None
+    """The attention mask the layer gets (Megatron's convention: True = masked out)."""
+    rope: Any
+    """Rotary embeddings, or None with learned positions."""
+    model_params: int
+    """Parameters of the one-layer model the sample comes from (embedding, output layer and this layer):
+    the whole model's count adds ``num_layers - 1`` copies of the layer's."""
+    vocab_size: int
+    """The vocabulary the logits span (their fp32 workspace is charged per profile)."""
 
 
 def device_name(device: torch.device | str | None = None) -> str:
     """A stable name for the profile database key: ``cuda:<GPU name>`` or ``cpu:<CPU model> x<cores>``."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     model = "unknown"
@@ -45,7 +71,7 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 def device_memory_bytes(device: torch.device | str | None = None) -> int:
     """The default budget: the GPU's total memory, or the RAM available now on CPU."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     with open("/proc/meminfo") as f:
@@ -55,7 +81,7 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int:
     raise RuntimeError("cannot read the available memory; pass --adacc-memory-budget")
 
 
-def _timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], Any], repeats: int, sync: Sync) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
     fn()
     sync()
@@ -76,22 +102,104 @@ def static_bytes_per_param(args: Any) -> int:
     return 4 + 4 + 8
 
 
-def _layer_inputs(model: torch.nn.Module, args: Any, device: torch.device):
-    """Real hidden states entering layer 0 (embedding of a corpus batch), the mask, and rotary embeddings."""
-    from megatron_adacc.training.data import BatchSampler
+def codec_keys(args: Any) -> CodecKeys:
+    """Every applicable codec of every op, with its default parameters (``--adacc-outlier-z`` for the
+    outlier codec): what the profiler measures, so that the solver can offer any of them."""
+    from megatron_adacc.adacc.runtime.memory import codec_key
 
-    batch = next(iter(BatchSampler(args.seq_length, args.micro_batch_size, getattr(args, "seed", 1234),
-                                   corpus=getattr(args, "corpus", "embedded"))))
-    tokens = batch.tokens.to(device)
-    positions = batch.position_ids.to(device)
-    gpt = model.module if hasattr(model, "module") and not hasattr(model, "embedding") else model
-    with torch.no_grad():
-        hidden = gpt.embedding(input_ids=tokens, position_ids=positions)
-    rope = None
-    if getattr(gpt, "rotary_pos_emb", None) is not None:
-        rope = gpt.rotary_pos_emb(args.seq_length)
-    mask = batch.attention_mask.to(device) if batch.attention_mask is not None else None
-    return gpt, hidden.detach(), mask, rope
+    keys = {spec.name: {codec_key(c, DEFAULT_CODEC_PARAMS.get(c, {})) for c in spec.codecs} for spec in OPS}
+    if getattr(args, "adacc_outlier_z", None):
+        z = {"z_threshold": float(args.adacc_outlier_z)}
+        keys = {op: {k if k[0] != OUTLIER_CODEC else codec_key(OUTLIER_CODEC, z) for k in op_keys}
+                for op, op_keys in keys.items()}
+    return keys
+
+
+def measure_sizes(sample: LayerSample, keys: CodecKeys, log: Callable[[str], None]) -> tuple[Any, CodecKeys]:
+    """Per-op saved and compressed bytes (the runtime's ``LayerSizes``) and the codecs that apply: a codec
+    that refuses an op's tensors (e.g. bitmask on a float) is dropped for that op."""
+    from megatron_adacc.adacc.runtime import profile_layer_sizes
+
+    def sizes_for(codecs: CodecKeys):
+        return profile_layer_sizes(sample.layer, sample.hidden, sample.mask, sample.rope, codecs=codecs)
+
+    try:
+        return sizes_for(keys), keys
+    except (TypeError, ValueError):
+        pass
+    # measure codec by codec to find the ones that refuse
+    sizes = sizes_for({})
+    for op_name, op_keys in keys.items():
+        for key in sorted(op_keys):
+            try:
+                one = sizes_for({op_name: {key}})
+            except (TypeError, ValueError) as e:
+                log(f"profile: codec {key[0]} does not apply to {op_name}'s tensors ({e}); skipped")
+                continue
+            sizes.ops[op_name].compressed_bytes[key] = one.ops[op_name].compressed_bytes[key]
+    return sizes, {op: set(sizes.ops[op].compressed_bytes) for op in keys}
+
+
+def time_ops(ops: list, env: dict, repeats: int, sync: Sync) -> list[float]:
+    """Forward time of each op from the stored inputs in ``env`` (one full forward's environment)."""
+    return [_timed(lambda op=op: op.run(dict(env)), repeats, sync) for op in ops]
+
+
+def time_segments(ops: list, env: dict, repeats: int, sync: Sync, max_segment_ops: int | None
+                  ) -> dict[tuple[int, int], float]:
+    """Recompute time of every segment ``a..b`` (``1 <= a <= b``, at most ``max_segment_ops`` ops long) from
+    the stored inputs in ``env``. Op 0 is never recomputed: the layer's input is always kept."""
+    from megatron_adacc.adacc.runtime import run_ops
+
+    n = len(ops)
+    longest = n if max_segment_ops is None else max_segment_ops
+    segments: dict[tuple[int, int], float] = {}
+    for a in range(1, n):
+        for b in range(a, min(n, a + longest)):
+            segments[(a, b)] = _timed(lambda a=a, b=b: run_ops(ops[a:b + 1], dict(env)), max(1, repeats - 1), sync)
+    return segments
+
+
+def time_codecs(op: Any, env: dict, keys: set, sizes: Any, repeats: int, sync: Sync,
+                log: Callable[[str], None]) -> dict[str, CodecProfile]:
+    """Compress and decompress time of each codec in ``keys`` on ``op``'s floating-point outputs in ``env``,
+    with the compressed bytes the runtime attributed (``sizes``: the op's ``OpSizes``)."""
+    from megatron_adacc.codecs import get_codec
+
+    outs = [env[name] for name in op.outputs if isinstance(env[name], torch.Tensor)
+            and not isinstance(env[name], torch.nn.Parameter) and env[name].is_floating_point()]
+    codecs: dict[str, CodecProfile] = {}
+    for key in keys:
+        name, params = key[0], dict(key[1])
+        codec = get_codec(name, **params)
+        try:
+            packed = [codec.compress(x.detach()) for x in outs]
+        except (TypeError, ValueError) as e:
+            # the runtime would keep what this codec refuses; offer the MILP no such choice
+            log(f"profile: codec {name} does not apply to {op.name}'s output ({e}); skipped")
+            continue
+        tc = _timed(lambda c=codec, xs=outs: [c.compress(x.detach()) for x in xs], repeats, sync) if outs else 0.0
+        td = _timed(lambda c=codec, ps=packed: [c.decompress(p) for p in ps], repeats, sync) if outs else 0.0
+        stats: dict[str, Any] = {}
+        if name == OUTLIER_CODEC and packed:
+            k = sum(int(p.tensors["index"].numel()) for p in packed if "index" in p.tensors)
+            stats = {"outlier_channels": k, "channels": sum(int(x.shape[-1]) for x in outs)}
+        codecs[name] = CodecProfile(int(sizes.compress_cost(key)), tc, td, stats)
+    return codecs
+
+
+def op_profile(op: Any, forward_s: float, env: dict, keys: set, sizes: Any, repeats: int, sync: Sync,
+               log: Callable[[str], None]) -> OpProfile:
+    """One op's profile: its saved bytes, forward time, codecs (timed) and per-codec stash bytes."""
+    codecs = time_codecs(op, env, keys, sizes, repeats, sync, log)
+    stash = {"keep": int(sum(sizes.stash_keep_bytes.values()))}
+    for key in keys:
+        if key[0] in codecs:
+            stash[key[0]] = int(sum(per.get(key, 0) for per in sizes.stash_compressed_bytes.values()))
+    if sizes.saved_bytes == 0:
+        # nothing of this op is saved for backward: compressing it costs no time (only a stash would)
+        codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}
+    return OpProfile(op.name, int(sizes.saved_bytes), float(forward_s), codecs, stash)
 
 
 #: Calibration factors are clamped to this range: below it timing noise dominates, above it something is wrong
@@ -99,8 +207,8 @@ def _layer_inputs(model: torch.nn.Module, args: Any, device: torch.device):
 _SCALE_RANGE = (0.5, 20.0)
 
 
-def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, sync
-               ) -> tuple[float, float, float, float]:
+def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[tuple[int, int], float],
+              fwd: list[float], repeats: int, sync: Sync) -> tuple[float, float, float, float]:
     """Time one layer's forward + backward under the runtime with every op kept, compressed and recomputed,
     and through megatron's own forward; return (codec scale, recompute scale, stock time, runtime overhead):
     the first two are measured overheads over the sums the cost model would predict from the per-op
@@ -111,8 +219,10 @@ def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, s
     from megatron_adacc.adacc.runtime import checkpointed_layer_forward
     from megatron_adacc.adacc.runtime.checkpoint import stock_layer_forward
 
+    layer, mask, rope = sample.layer, sample.mask, sample.rope
+
     def step(decisions) -> None:
-        x = hidden.detach().requires_grad_(True)
+        x = sample.hidden.detach().requires_grad_(True)
         if decisions is None:
             out = stock_layer_forward(layer, x, mask, rope)
         else:
@@ -132,7 +242,7 @@ def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, s
     quant_policy = Policy.quantize_all(1).layer_decisions(0)
     modeled_codec = sum(op.codecs[d.codec].compress_time_s + op.codecs[d.codec].decompress_time_s
                         for op, d in ((op, quant_policy[op.name]) for op in op_profiles)
-                        if d.action == "compress" and d.codec in op.codecs)
+                        if d.action == Action.COMPRESS and d.codec in op.codecs)
     n = len(fwd)
     modeled_recompute = segments.get((1, n - 1), sum(fwd[1:]))
     lo, hi = _SCALE_RANGE
@@ -144,133 +254,76 @@ def _calibrate(layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, s
             max(0.0, keep - stock))
 
 
-def profile_layer(args: SimpleNamespace, config: Any, *, device: torch.device | str | None = None,
+@dataclass
+class _Measured:
+    """Everything :func:`profile_layer` measured, before it becomes a :class:`LayerProfile`."""
+
+    sizes: Any  # the runtime's LayerSizes
+    ops: list[OpProfile]
+    forward_s: list[float]
+    segments: dict[tuple[int, int], float]
+    calibration: tuple[float, float, float, float]  # what calibrate() returns
+
+
+def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.device | str | None = None,
                   repeats: int = 3, max_segment_ops: int | None = None, log: Callable[[str], None] | None = None
                   ) -> LayerProfile:
-    """Profile one transformer layer of the model ``args``/``config`` describe.
+    """Profile ``sample.layer`` on ``sample``'s inputs, for the model ``args``/``config`` describe.
 
-    ``max_segment_ops`` bounds the measured segment length (longer segments are estimated from per-op
-    times plus the measured per-segment overhead), to keep profiling short on large layers.
-    Assumes torch.distributed and megatron's parallel state are initialized (``adacc train`` and
-    ``adacc profile`` do it).
+    ``device`` names the profile (default: where the sample's inputs are). ``max_segment_ops`` bounds the
+    measured segment length (longer segments are estimated from per-op times plus the measured per-segment
+    overhead), to keep profiling short on large layers. Assumes torch.distributed and megatron's parallel
+    state are initialized (``adacc train`` and ``adacc profile`` do it).
     """
     from megatron.core.tensor_parallel.random import _fork_rng
 
-    from megatron_adacc.adacc.runtime import layer_ops, profile_layer_sizes, run_ops
-    from megatron_adacc.adacc.runtime.memory import codec_key
+    from megatron_adacc.adacc.runtime import layer_ops
     from megatron_adacc.adacc.runtime.ops import initial_env
-    from megatron_adacc.codecs import get_codec
-    from megatron_adacc.training import model as model_lib
 
     log = log or (lambda _msg: None)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else sample.hidden.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     signature = model_signature(config, args)
-
-    # A one-layer model with the same configuration: same layer, embeddings for realistic inputs.
-    one_args = copy.copy(args)
-    one_args.num_layers = 1
-    one_config = copy.copy(config)
-    one_config.num_layers = 1
-    one_config.recompute_granularity = None
-    one_config.recompute_method = None
-    one_config.recompute_num_layers = None
-    model = model_lib.build_gpt(one_args, one_config).to(device)
-    model.train()
-    gpt, hidden, mask, rope = _layer_inputs(model, args, device)
-    layer = gpt.decoder.layers[0]
-
-    codecs_by_op = {spec.name: {codec_key(c, DEFAULT_CODEC_PARAMS.get(c, {})) for c in spec.codecs} for spec in OPS}
-    if getattr(args, "adacc_outlier_z", None):
-        z = {"z_threshold": float(args.adacc_outlier_z)}
-        codecs_by_op = {op: {k if k[0] != OUTLIER_CODEC else codec_key(OUTLIER_CODEC, z) for k in keys}
-                        for op, keys in codecs_by_op.items()}
     log("profile: per-op saved and compressed bytes")
-    try:
-        sizes = profile_layer_sizes(layer, hidden, mask, rope, codecs=codecs_by_op)
-    except (TypeError, ValueError):
-        # some codec refuses some op's tensors (e.g. bitmask on a float): measure codec by codec, drop those
-        sizes = profile_layer_sizes(layer, hidden, mask, rope, codecs={})
-        for op_name, keys in codecs_by_op.items():
-            for key in sorted(keys):
-                try:
-                    one = profile_layer_sizes(layer, hidden, mask, rope, codecs={op_name: {key}})
-                except (TypeError, ValueError) as e:
-                    log(f"profile: codec {key[0]} does not apply to {op_name}'s tensors ({e}); skipped")
-                    continue
-                sizes.ops[op_name].compressed_bytes[key] = one.ops[op_name].compressed_bytes[key]
-        codecs_by_op = {op: set(sizes.ops[op].compressed_bytes) for op in codecs_by_op}
-
-    ops = layer_ops(layer)
-    inputs = hidden.detach().requires_grad_(True)
+    sizes, keys = measure_sizes(sample, codec_keys(args), log)
+    ops = layer_ops(sample.layer)
     with _fork_rng(), torch.enable_grad():
-        env = initial_env(inputs, mask, rope)
+        env = initial_env(sample.hidden.detach().requires_grad_(True), sample.mask, sample.rope)
         for op in ops:
             env.update(op.run(env))
-
         log("profile: per-op forward times")
-        fwd = [_timed(lambda op=op: op.run(dict(env)), repeats, sync) for op in ops]
-        n = len(ops)
-        segments: dict[tuple[int, int], float] = {}
-        longest = n if max_segment_ops is None else max_segment_ops
+        fwd = time_ops(ops, env, repeats, sync)
         log("profile: recompute segment times")
-        for a in range(1, n):
-            for b in range(a, min(n, a + longest)):
-                segments[(a, b)] = _timed(lambda a=a, b=b: run_ops(ops[a:b + 1], dict(env)), max(1, repeats - 1), sync)
-
-    overheads = [segments[(a, a)] - fwd[a] for a in range(1, n) if (a, a) in segments]
-    op_profiles = []
+        segments = time_segments(ops, env, repeats, sync, max_segment_ops)
     log("profile: codec times")
-    for spec, op, t in zip(OPS, ops, fwd):
-        s = sizes.ops[spec.name]
-        outs = [env[name] for name in op.outputs if isinstance(env[name], torch.Tensor)
-                and not isinstance(env[name], torch.nn.Parameter) and env[name].is_floating_point()]
-        codecs: dict[str, CodecProfile] = {}
-        for key in codecs_by_op[spec.name]:
-            name, params = key[0], dict(key[1])
-            codec = get_codec(name, **params)
-            try:
-                packed = [codec.compress(x.detach()) for x in outs]
-            except (TypeError, ValueError) as e:
-                # the runtime would keep what this codec refuses; offer the MILP no such choice
-                log(f"profile: codec {name} does not apply to {spec.name}'s output ({e}); skipped")
-                continue
-            tc = _timed(lambda c=codec, xs=outs: [c.compress(x.detach()) for x in xs], repeats, sync) if outs else 0.0
-            td = _timed(lambda c=codec, ps=packed: [c.decompress(p) for p in ps], repeats, sync) if outs else 0.0
-            stats: dict[str, Any] = {}
-            if name == OUTLIER_CODEC and packed:
-                k = sum(int(p.tensors["index"].numel()) for p in packed if "index" in p.tensors)
-                stats = {"outlier_channels": k, "channels": sum(int(x.shape[-1]) for x in outs)}
-            codecs[name] = CodecProfile(int(s.compress_cost(key)), tc, td, stats)
-        stash = {"keep": int(sum(s.stash_keep_bytes.values()))}
-        for key in codecs_by_op[spec.name]:
-            if key[0] not in codecs:
-                continue
-            stash[key[0]] = int(sum(per.get(key, 0) for per in s.stash_compressed_bytes.values()))
-        if s.saved_bytes == 0:
-            # nothing of this op is saved for backward: compressing it costs no time (only a stash would)
-            codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}
-        op_profiles.append(OpProfile(spec.name, int(s.saved_bytes), float(t), codecs, stash))
-
+    op_profiles = [op_profile(op, t, env, keys[spec.name], sizes.ops[spec.name], repeats, sync, log)
+                   for spec, op, t in zip(OPS, ops, fwd)]
     log("profile: calibrating codec and recompute times inside the runtime")
-    codec_scale, recompute_scale, keep_step, runtime_overhead = _calibrate(
-        layer, hidden, mask, rope, op_profiles, segments, fwd, repeats, sync)
+    calibration = calibrate(sample, op_profiles, segments, fwd, repeats, sync)
+    codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
     log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
         f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
+    measured = _Measured(sizes, op_profiles, fwd, segments, calibration)
+    return _layer_profile(sample, args, signature, device, measured, repeats)
 
-    layer_params = sum(p.numel() for p in layer.parameters())
-    model_params = sum(p.numel() for p in model.parameters())
-    total_params = model_params + (signature["num_layers"] - 1) * layer_params
+
+def _layer_profile(sample: LayerSample, args: Any, signature: dict[str, Any], device: torch.device,
+                   measured: _Measured, repeats: int) -> LayerProfile:
+    """The stored profile: the measurements, plus static memory and workspace from the model's shape."""
+    codec_scale, recompute_scale, keep_step, runtime_overhead = measured.calibration
+    fwd, segments = measured.forward_s, measured.segments
+    overheads = [segments[(a, a)] - fwd[a] for a in range(1, len(fwd)) if (a, a) in segments]
+    layer_params = sum(p.numel() for p in sample.layer.parameters())
+    total_params = sample.model_params + (signature["num_layers"] - 1) * layer_params
     # The policy-independent transient: the logits and their gradient (vocab x tokens, fp32), live around the
     # loss. What a layer re-materializes in its backward depends on the policy; the cost model adds it.
-    vocab = getattr(gpt, "vocab_size", 0) or 0
-    workspace = 2 * 4 * vocab * args.seq_length * args.micro_batch_size
+    workspace = 2 * 4 * sample.vocab_size * args.seq_length * args.micro_batch_size
     return LayerProfile(
-        device=device_name(device), signature=signature, ops=op_profiles,
+        device=device_name(device), signature=signature, ops=measured.ops,
         static_bytes=int(total_params * static_bytes_per_param(args)),
-        workspace_bytes=int(workspace + sizes.rng_bytes),
-        layer_fixed_bytes=int(sizes.input_bytes),
-        rng_bytes=int(sizes.rng_bytes),
+        workspace_bytes=int(workspace + measured.sizes.rng_bytes),
+        layer_fixed_bytes=int(measured.sizes.input_bytes),
+        rng_bytes=int(measured.sizes.rng_bytes),
         segment_times_s=segments,
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
         step_time_s=keep_step, codec_time_scale=codec_scale, recompute_time_scale=recompute_scale,
