@@ -14,12 +14,10 @@ Quick start (plain PyTorch)::
         optimizer.step()
         optimizer.zero_grad()
 
-Megatron: ``adacc train --gact-level L1`` (see :func:`build_extension`).
+Megatron: ``adacc train --gact-level L1`` (:mod:`.extension`; the registry entry is :mod:`.feature`).
 """
 
-from megatron_adacc.gact.allocation import BIT_LEVELS, allocate_bits, predicted_variance, variance_factor
-from megatron_adacc.gact.controller import Controller, GactVarianceWarning
-from megatron_adacc.gact.levels import Level
+from megatron_adacc.core.lazy import exports
 
 __all__ = [
     "BIT_LEVELS",
@@ -31,10 +29,10 @@ __all__ = [
     "predicted_variance",
     "variance_factor",
 ]
-
-
-def build_extension(args):
-    """``TrainingExtension`` for ``adacc train`` from its parsed ``--gact-*`` arguments."""
-    from megatron_adacc.gact.megatron import build_extension as _build
-
-    return _build(args)
+# Imported on first use (see megatron_adacc.core.lazy): the registry entry must not pull in torch.
+__getattr__ = exports(__name__, {
+    **dict.fromkeys(("BIT_LEVELS", "allocate_bits", "predicted_variance", "variance_factor"),
+                    "megatron_adacc.gact.allocation"),
+    "Controller": "megatron_adacc.gact.controller", "GactVarianceWarning": "megatron_adacc.gact.monitor",
+    "Level": "megatron_adacc.gact.levels", "build_extension": "megatron_adacc.gact.extension",
+})

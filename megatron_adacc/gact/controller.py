@@ -8,45 +8,39 @@ Plain PyTorch::
         optimizer.step(); optimizer.zero_grad()
 
 ``step(fn)`` re-estimates the sensitivities every ``adapt_interval`` iterations (Algorithm 1 runs ``fn``
-``L + 1`` extra times with the gradients discarded), runs ``fn`` with the hooks installed, and feeds the
+``L + 2`` extra times with the gradients discarded), runs ``fn`` with the hooks installed, and feeds the
 resulting gradients to the variance monitor. For manual control, ``with ctl:`` installs the hooks around any
 forward (+ backward), ``ctl.adapt(fn)`` runs the estimation, ``ctl.observe_gradients()`` the monitor.
+
+The controller is a facade: the saved-tensor hooks (:mod:`~megatron_adacc.gact.hooks`) ask it for each
+tensor's bits and seed, and it answers from the sensitivity probe (:mod:`~megatron_adacc.gact.probe`) while
+one runs, else from the bit allocator (:mod:`~megatron_adacc.gact.allocator`). It changes nothing in the model:
+CB1/CB2's Megatron-side changes (full recompute, memory-efficient attention) belong to GACT's training
+extension (:func:`megatron_adacc.gact.extension.apply_level_effects`), so this module never imports Megatron.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Self
 
 import torch
 
-from megatron_adacc.gact.allocation import (
-    BIT_LEVELS,
-    KEEP_BITS,
-    allocate_bits,
-    predicted_variance,
-    variance_factor,
-)
+from megatron_adacc.gact.allocation import BIT_LEVELS
+from megatron_adacc.gact.allocator import BitAllocator
 from megatron_adacc.gact.hooks import CodecFactory, SavedTensorCompressor, mix_seed
 from megatron_adacc.gact.levels import Level
-from megatron_adacc.gact.sensitivity import (
-    GradientVarianceMonitor,
-    frozen_rng,
-    snapshot_gradients,
-    squared_distance_inplace,
-    zero_gradients,
-)
+from megatron_adacc.gact.monitor import GactVarianceWarning, GradientVarianceMonitor
+from megatron_adacc.gact.probe import SensitivityProbe
 from megatron_adacc.gact.swap import SwapManager
 
 log = logging.getLogger(__name__)
 
-
-class GactVarianceWarning(UserWarning):
-    """The predicted compression variance is large next to the gradient's own variance: raise the bits."""
+__all__ = ["Controller", "GactVarianceWarning"]  # the warning lived here; kept importable from this module
 
 
 def _as_modules(model: Any) -> list[torch.nn.Module]:
@@ -58,12 +52,36 @@ def _as_modules(model: Any) -> list[torch.nn.Module]:
     return mods
 
 
+def _check_recompute_is_on(level: Level, modules: list[torch.nn.Module]) -> None:
+    """CB1/CB2 only add compression of what megatron-core's full recompute saves; switching that recompute on
+    is the extension's job. Checking it here keeps a CB level on an unprepared model from silently running as
+    L1. Duck-typed on the config, so no Megatron import is needed."""
+    if not level.recomputes:
+        return
+    for m in modules:
+        cfg = getattr(m, "config", None)
+        if cfg is None or not hasattr(cfg, "recompute_granularity"):
+            what = "has no megatron TransformerConfig"
+        elif cfg.recompute_granularity != "full":
+            what = f"runs recompute_granularity={cfg.recompute_granularity!r}, not full recompute"
+        else:
+            continue
+        raise ValueError(
+            f"GACT {level.value} compresses the layer inputs saved by megatron-core's full recompute, but "
+            f"{type(m).__name__} {what}. With a megatron-core model use GactExtension (adacc train "
+            f"--gact-level {level.value}), or call megatron_adacc.gact.extension.apply_level_effects("
+            f"{level.value!r}, model) before building the Controller. For a plain torch model use L1 and wrap "
+            "segments in torch.utils.checkpoint.checkpoint(..., use_reentrant=True): the segment inputs it "
+            "saves are then compressed by the L1 hooks.")
+
+
 class Controller:
     """Activation-compressed training for any torch model (GACT, Table 1 levels).
 
     Args:
         model: the module (or list of model chunks) being trained.
-        level: ``"L0"`` (off), ``"L1"``, ``"L2"``, ``"CB1"``, ``"CB2"``.
+        level: ``"L0"`` (off), ``"L1"``, ``"L2"``, ``"CB1"``, ``"CB2"``. CB1/CB2 need a megatron-core model
+            already switched to full recompute (see :func:`_check_recompute_is_on`).
         bits: average bits per activation value (the budget of the allocation).
         group_size: values per quantization group of the stochastic quantizer.
         adapt_interval: iterations between sensitivity re-estimations (``step`` counts iterations).
@@ -74,8 +92,10 @@ class Controller:
         seed: base seed of the compressors' stochastic rounding.
         warn_ratio: warn when predicted compression variance > ``warn_ratio`` x gradient variance.
         warmup: gradient observations before the variance warning may fire.
+        variance_momentum: EMA momentum of the gradient-variance monitor.
         min_numel: float tensors smaller than this stay uncompressed (default: one group).
         codec_factory: ``get_codec``-compatible factory (default ``megatron_adacc.codecs.get_codec``).
+        levels: the bit widths the allocation chooses from (32 = keep the tensor uncompressed).
     """
 
     def __init__(
@@ -98,54 +118,71 @@ class Controller:
     ):
         self.modules = _as_modules(model)
         self.level = Level.parse(level)
-        if not min(levels) <= bits <= KEEP_BITS:
-            raise ValueError(f"bits={bits} is outside the bit levels {sorted(levels)}; try --gact-bits 4")
+        self.allocator = BitAllocator(bits, levels, adaptive)
         if adapt_interval < 1:
             raise ValueError(f"adapt_interval must be >= 1, got {adapt_interval}")
-        if probe_repeats < 1:
-            raise ValueError(f"probe_repeats must be >= 1, got {probe_repeats}")
-        self.levels = tuple(sorted(set(levels)))
-        self.avg_bits = float(bits)
-        self.fixed_bits = max(b for b in self.levels if b <= bits)
-        self.probe_bits = int(probe_bits) if probe_bits is not None else min(self.fixed_bits, 8)
-        if self.probe_bits >= KEEP_BITS:
-            raise ValueError("probe_bits must be below 32: an uncompressed tensor has no variance to measure")
+        default_probe_bits = min(self.allocator.fixed_bits, 8)
+        self.probe = SensitivityProbe(default_probe_bits if probe_bits is None else probe_bits, probe_repeats)
+        _check_recompute_is_on(self.level, self.modules)
         self.group_size = group_size
         self.adapt_interval = adapt_interval
-        self.adaptive = adaptive
-        self.probe_repeats = probe_repeats
         self.seed = seed
         self.warn_ratio = warn_ratio
         self.warmup = warmup
         self.iteration = 0
-        self.bits: dict[int, int] = {}
-        self.sensitivity: dict[int, float] = {}
-        self._dims: dict[int, int] = {}
-        self._probe: tuple[int, int] | None = None  # (probe seed base, perturbed tensor id or -1)
         self.monitor = GradientVarianceMonitor(variance_momentum)
         self.adaptations = 0
-        self.probe_seconds = 0.0
-        self.probe_noise_floor = 0.0
-        self.last_predicted_variance: float | None = None
-        self.notes: list[str] = []
-        self._entered: list[Any] = []
         self.microbatches_per_step = 1
+        self.notes: list[str] = []
+        """Lines for the report about what a host changed in the model for this level (the extension's)."""
+        self._entered: list[AbstractContextManager] = []
 
         self.swap = SwapManager(self._device()) if self.level.swaps else None
         self.compressor = SavedTensorCompressor(
             self._model_tensors, group_size, self._bits_for, self._seed_for,
             codec_factory=codec_factory, min_numel=min_numel, swap=self.swap,
         )
-        if self.level.recomputes:
-            from megatron_adacc.gact.megatron import enable_full_recompute
 
-            self.notes.append(enable_full_recompute(self.modules))
-        if self.level.efficient_attention:
-            from megatron_adacc.gact.megatron import enable_memory_efficient_attention
+    # ------------------------------------------------------------------ what the parts hold
+    @property
+    def adaptive(self) -> bool:
+        return self.allocator.adaptive
 
-            self.notes.append(enable_memory_efficient_attention(self.modules))
+    @property
+    def bits(self) -> dict[int, int]:
+        """The current allocation: bits per saved tensor id."""
+        return self.allocator.bits
 
-    # ------------------------------------------------------------------ helpers
+    @property
+    def sensitivity(self) -> dict[int, float]:
+        """``c_l`` per saved tensor id from the last adaptation."""
+        return self.allocator.sensitivity
+
+    @property
+    def fixed_bits(self) -> int:
+        return self.allocator.fixed_bits
+
+    @property
+    def probe_bits(self) -> int:
+        return self.probe.bits
+
+    @property
+    def probe_seconds(self) -> float:
+        return self.probe.seconds
+
+    @property
+    def probe_noise_floor(self) -> float:
+        return self.probe.noise_floor
+
+    @property
+    def last_predicted_variance(self) -> float | None:
+        return self.allocator.predicted_variance
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ answers to the hooks
     def _device(self) -> torch.device:
         for m in self.modules:
             for p in m.parameters():
@@ -159,32 +196,19 @@ class Controller:
             out.extend(m.buffers())
         return out
 
-    @property
-    def parameters(self) -> list[torch.Tensor]:
-        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
-
     def _bits_for(self, tensor_id: int, numel: int) -> int:
-        if self._probe is not None:
-            return self.probe_bits
-        if not self.adaptive:
-            return self.fixed_bits
-        self._dims.setdefault(tensor_id, numel)
-        if self._dims.get(tensor_id) == numel and tensor_id in self.bits:
-            return self.bits[tensor_id]
-        return self.fixed_bits  # not seen by an adaptation yet (or its shape changed)
+        if self.probe.active:
+            return self.probe.bits_for(tensor_id, numel)
+        return self.allocator.bits_for(tensor_id, numel)
 
     def _seed_for(self, tensor_id: int) -> int:
-        if self._probe is not None:
-            base, perturbed = self._probe
-            # Algorithm 1: seeds r_1..r_L fixed; the perturbed tensor gets r_{L+1} instead.
-            return mix_seed(base, tensor_id, 1 if tensor_id == perturbed else 0)
-        return mix_seed(self.seed, self.compressor.passes, tensor_id)
+        if self.probe.active:
+            return self.probe.seed_for(tensor_id)
+        return mix_seed(self.seed, self.compressor.passes, tensor_id)  # fresh seeds every pass
 
     # ------------------------------------------------------------------ hooks
-    def hooks(self):
+    def hooks(self) -> AbstractContextManager:
         """Context manager installing the saved-tensor hooks for one forward + backward (no-op at L0)."""
-        import contextlib
-
         if not self.level.compresses:
             return contextlib.nullcontext(self)
         return self.compressor.pass_context()
@@ -219,114 +243,33 @@ class Controller:
         if self.level.compresses and self.adaptive:
             self.monitor.update(self.parameters)
 
-    # ------------------------------------------------------------------ Algorithm 1
     def estimate_sensitivity(self, forward_backward: Callable[[], Any]) -> dict[int, float]:
-        """``c_l`` for every saved tensor: ``0.5 ||g0 - g1||^2 / S(probe_bits)``, where ``g1`` differs from
-        ``g0`` only in the seed of tensor ``l``'s compressor. ``L + 2`` evaluations per repeat (one extra
-        re-runs ``g0`` unchanged to prove ``forward_backward`` is repeatable); gradients are left zeroed
-        and every RNG is restored afterwards."""
-        params = self.parameters
-        sums: dict[int, float] = {}
-        factor = variance_factor(self.probe_bits)
-        self.compressor.recording = False
-
-        def evaluate(base: int, perturbed: int) -> None:
-            self._probe = (base, perturbed)
-            zero_gradients(params)
-            reset_rng()
-            with self.compressor.pass_context():
-                forward_backward()
-
-        with frozen_rng() as reset_rng:
-            try:
-                for rep in range(self.probe_repeats):
-                    base = mix_seed(self.seed, 0x5EED, self.adaptations, rep)
-                    evaluate(base, -1)
-                    n_tensors = self.compressor._next_id
-                    ref = snapshot_gradients(params)
-                    evaluate(base, -1)
-                    control = squared_distance_inplace(params, ref)
-                    for tid in range(n_tensors):
-                        self._dims[tid] = self.compressor.tensors[tid].numel
-                        evaluate(base, tid)
-                        if self.compressor._next_id != n_tensors:
-                            raise RuntimeError(
-                                "GACT sensitivity probe: the model saved a different number of tensors in "
-                                f"two identical passes ({n_tensors} vs {self.compressor._next_id}); the "
-                                "forward must be deterministic for the probe (same batch, same branches)")
-                        dist = squared_distance_inplace(params, ref)
-                        sums[tid] = sums.get(tid, 0.0) + 0.5 * max(dist - control, 0.0) / factor
-                    self._check_repeatable(control, sums, rep + 1)
-                    del ref
-            finally:
-                self._probe = None
-                self.compressor.recording = True
-                zero_gradients(params)
-        return {tid: s / self.probe_repeats for tid, s in sums.items()}
-
-    def _check_repeatable(self, control: float, sums: dict[int, float], reps: int) -> None:
-        """Algorithm 1 needs two gradient evaluations that differ *only* in one compressor's seed. If two
-        evaluations with identical seeds already differ by as much as the perturbed ones, the probe function
-        is not replaying one batch (or the kernels are non-deterministic) and every estimate is noise."""
-        self.probe_noise_floor = control
-        if control == 0.0:
-            return
-        typical = sorted(sums.values())[len(sums) // 2] * 2 * variance_factor(self.probe_bits) / reps
-        if control > 0.1 * typical:
-            raise RuntimeError(
-                "GACT sensitivity probe: two evaluations with identical compressor seeds gave gradients "
-                f"{control:.3e} apart (squared), comparable to the seed-perturbed ones ({typical:.3e}). The "
-                "forward_backward passed to the controller must replay the same batch every call (and run "
-                "deterministically); a function drawing a fresh batch per call cannot measure sensitivity.")
+        """``c_l`` for every saved tensor (Algorithm 1, see :class:`SensitivityProbe`); ``L + 2`` evaluations
+        of ``forward_backward`` per repeat, gradients left zeroed, every RNG restored."""
+        est = self.probe.estimate(forward_backward, self.compressor, self.parameters, self.seed, self.adaptations)
+        self.allocator.dims.update(self.probe.dims)
+        return est
 
     def adapt(self, forward_backward: Callable[[], Any]) -> dict[int, int]:
         """Re-estimate sensitivities and re-allocate bits (greedy, budget ``bits`` on average)."""
         start = time.perf_counter()
-        est = self.estimate_sensitivity(forward_backward)
-        self.probe_seconds += time.perf_counter() - start
-        # A non-finite estimate means the tensor is too sensitive to measure: treat it as the most sensitive.
-        finite = [c for c in est.values() if math.isfinite(c)]
-        cap = max(finite) * 1e3 if finite and max(finite) > 0 else 1.0
-        self.sensitivity = {t: (c if math.isfinite(c) else cap) for t, c in est.items()}
-        ids = sorted(self.sensitivity)
-        alloc = allocate_bits([self.sensitivity[t] for t in ids], [self._dims[t] for t in ids],
-                              self.avg_bits, self.levels)
-        self.bits = dict(zip(ids, alloc))
+        bits = self.allocator.allocate(self.estimate_sensitivity(forward_backward))
         self.adaptations += 1
-        self.last_predicted_variance = predicted_variance([self.sensitivity[t] for t in ids], alloc)
-        self._check_variance()
-        log.info("GACT: adapted %d tensors in %.2fs: %s", len(ids), time.perf_counter() - start,
+        self.monitor.check(self.allocator.predicted_variance, self.microbatches_per_step, self.warn_ratio,
+                           self.warmup, stacklevel=2)
+        log.info("GACT: adapted %d tensors in %.2fs: %s", len(bits), time.perf_counter() - start,
                  self.bits_histogram())
-        return dict(self.bits)
-
-    def _check_variance(self) -> None:
-        if self.last_predicted_variance is None or self.monitor.observations < self.warmup:
-            return
-        # The probe measures one micro-batch's gradient; a step averages ``microbatches_per_step`` of them
-        # with independent compressor seeds, which divides the compression variance by that count.
-        v = self.last_predicted_variance / self.microbatches_per_step
-        gvar = self.monitor.variance
-        if v > self.warn_ratio * gvar:
-            warnings.warn(
-                f"GACT: predicted compression variance {v:.3e} exceeds {self.warn_ratio} x the gradient "
-                f"variance {gvar:.3e}; training may suffer. Raise the bits budget (--gact-bits).",
-                GactVarianceWarning, stacklevel=3)
+        return bits
 
     # ------------------------------------------------------------------ reporting
     def bits_histogram(self) -> dict[int, int]:
-        hist: dict[int, int] = {}
-        for b in self.bits.values():
-            hist[b] = hist.get(b, 0) + 1
-        return dict(sorted(hist.items()))
+        return self.allocator.histogram()
 
     def effective_bits(self) -> float | None:
         """Average bits per value over all tracked tensors, weighted by size (the budget's measure)."""
         if self.level.compresses and not self.adaptive:
-            return float(self.fixed_bits)
-        if not self.bits:
-            return None
-        num = sum(self.bits[t] * self._dims[t] for t in self.bits)
-        return num / sum(self._dims[t] for t in self.bits)
+            return float(self.allocator.fixed_bits)
+        return self.allocator.mean_bits()
 
     def report(self) -> dict[str, Any]:
         c = self.compressor
@@ -343,10 +286,10 @@ class Controller:
             "gact_dedup_hits": c.last_stats.dedup_hits,
             "gact_adaptive": self.adaptive,
             "gact_adaptations": self.adaptations,
-            "gact_probe_seconds": self.probe_seconds,
+            "gact_probe_seconds": self.probe.seconds,
             "gact_bits_histogram": {str(k): v for k, v in self.bits_histogram().items()},
             "gact_effective_bits": self.effective_bits(),
-            "gact_predicted_variance": self.last_predicted_variance,
+            "gact_predicted_variance": self.allocator.predicted_variance,
             "gact_gradient_variance": self.monitor.variance if self.monitor.observations else None,
         }
         if self.swap is not None:
@@ -357,14 +300,9 @@ class Controller:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "bits": dict(self.bits), "sensitivity": dict(self.sensitivity),
-                "dims": dict(self._dims), "adaptations": self.adaptations}
+        return {"iteration": self.iteration, **self.allocator.state_dict(), "adaptations": self.adaptations}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
-        self.bits = {int(k): int(v) for k, v in state["bits"].items()}
-        self.sensitivity = {int(k): float(v) for k, v in state["sensitivity"].items()}
-        self._dims = {int(k): int(v) for k, v in state["dims"].items()}
+        self.allocator.load_state_dict(state)
         self.adaptations = int(state["adaptations"])
-
-

@@ -8,13 +8,16 @@ and compressor seed can be tracked.
 
 What is packed how:
 
-* parameters and module buffers (matched by storage), and integer tensors: kept as they are;
+* parameters and module buffers (matched by storage, or any ``Parameter``), and integer tensors: kept as they are;
 * ``bool`` tensors (dropout masks): 1 bit per value with the ``bitmask`` codec (lossless);
 * floating tensors of at least ``min_numel`` values: the ``stochastic`` per-group quantizer at the bit width
-  the controller chose for that tensor (32 bits = kept);
+  the controller chose for that tensor (32 bits = kept); NaN/Inf ones are kept (``PassStats.nonfinite_fallbacks``);
 * a tensor saved by several ops (same storage, offset, shape, stride, dtype and version counter) is packed
   once and the packed object shared, as GACT's footprint de-duplication does. Liveness is checked with a
   weak reference, so a freed tensor whose memory is reused is never mistaken for the old one.
+
+These rules are :class:`~megatron_adacc.core.saved.SavedTensorStore`'s; this module supplies the codecs, the
+per-tensor bit widths and seeds, and the per-pass figures.
 """
 
 from __future__ import annotations
@@ -22,26 +25,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from megatron_adacc.codecs import NonFiniteInputError, get_codec
+from megatron_adacc.core.saved import SavedHandle, SavedTensorStore
 from megatron_adacc.gact.allocation import KEEP_BITS
 
 CodecFactory = Callable[..., Any]
 
 
 def default_codec_factory() -> CodecFactory:
-    """``megatron_adacc.codecs.get_codec``; imported late so the controller module imports without it."""
-    try:
-        from megatron_adacc.codecs import get_codec
-    except ImportError as exc:  # pragma: no cover - only while the codec library is missing
-        raise ImportError(
-            "GACT needs the codec library (megatron_adacc.codecs.get_codec with the 'stochastic' and "
-            "'bitmask' codecs); it is not importable: " + str(exc)
-        ) from exc
+    """The codec factory used when the controller is given none: ``megatron_adacc.codecs.get_codec``."""
     return get_codec
 
 
@@ -85,13 +82,15 @@ class PassStats:
     kept_tensors: int = 0
     mask_tensors: int = 0
     dedup_hits: int = 0
+    """Saves answered with a tensor already stored in this pass (filled when the pass ends)."""
+    nonfinite_fallbacks: int = 0
+    """Floating tensors kept because they held NaN/Inf (also part of ``kept_tensors``)."""
 
 
-class Packed:
+class CompressedSavedTensor(SavedHandle):
     """A compressed saved tensor; autograd holds this instead of the tensor."""
 
     __slots__ = (
-        "__weakref__",
         "bits",
         "codec",
         "device",
@@ -134,16 +133,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class SavedTensorCompressor:
+class SavedTensorCompressor(SavedTensorStore):
     """Pack/unpack hooks with per-tensor bit widths and seeds supplied by the controller.
 
     ``bits_for(tensor_id, numel)`` and ``seed_for(tensor_id)`` are callables owned by the controller, so the
     sensitivity probes can change one tensor's seed without touching this class.
     """
+
+    fallback_errors = (NonFiniteInputError,)
 
     def __init__(
         self,
@@ -157,6 +154,7 @@ class SavedTensorCompressor:
     ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        super().__init__()
         self.group_size = group_size
         self.min_numel = group_size if min_numel is None else min_numel
         self.bits_for = bits_for
@@ -175,8 +173,6 @@ class SavedTensorCompressor:
         self._depth = 0
         self.recording = True  # False while the controller probes: probe passes stay out of the figures
         self._next_id = 0
-        self._dedup: dict[tuple, tuple[weakref.ref, Any]] = {}
-        self._counted: dict[int, weakref.ref] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._seed_style: dict[int, str] = {}
 
@@ -184,7 +180,7 @@ class SavedTensorCompressor:
     def refresh_model_tensors(self) -> None:
         """Remember the storages of parameters and buffers, which are never compressed or counted. Done at
         every pass, so moving the model (``.cuda()``, a DDP buffer) after building the controller is fine."""
-        self._model_storages = {_storage_key(t) for t in self._model_tensors() if t is not None}
+        self.set_model_tensors(self._model_tensors())
 
     def codec(self, kind: str, **kwargs: Any) -> Any:
         key = (kind, tuple(sorted(kwargs.items())))
@@ -232,14 +228,16 @@ class SavedTensorCompressor:
         self._depth = 1
         self._next_id = 0
         self.refresh_model_tensors()
+        self.clear()
         self.stats = PassStats()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield self
         finally:
             self._depth = 0
-            self._dedup.clear()
-            self._counted.clear()
+            self.stats.dedup_hits = self.dedup_hits
+            self.stats.nonfinite_fallbacks = self.fallbacks
+            self.clear()  # the de-dup table references packed tensors: they must die with the graph
             self.passes += 1
             if self.recording:
                 self.last_stats = self.stats
@@ -249,15 +247,6 @@ class SavedTensorCompressor:
                 self.swap.end_pass()
 
     # ------------------------------------------------------------------ hooks
-    def _count_storage(self, x: torch.Tensor) -> int:
-        """Storage bytes of ``x`` the first time its (live) storage is seen in this pass, else 0."""
-        key = _storage_key(x)
-        ref = self._counted.get(key)
-        if ref is not None and ref() is not None:
-            return 0
-        self._counted[key] = weakref.ref(x)
-        return x.untyped_storage().nbytes()
-
     def _add_raw(self, nbytes: int) -> None:
         if not _in_backward():
             self.stats.raw_bytes += nbytes
@@ -268,66 +257,54 @@ class SavedTensorCompressor:
         else:
             self.stats.held_bytes += nbytes
 
+    def dedup_key(self, x: torch.Tensor) -> tuple | None:
+        """Only what can be packed is shared; other tensors are kept, so sharing them saves nothing."""
+        if x.dtype in _QUANTIZABLE or x.dtype is torch.bool:
+            return super().dedup_key(x)
+        return None
+
     def pack(self, x: torch.Tensor) -> Any:
+        """The pack hook; sparse and nested tensors are kept as they are (no codec takes them)."""
         if not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.is_nested:
             return x
-        if _storage_key(x) in self._model_storages:
-            return x
-        is_float = x.dtype in _QUANTIZABLE  # float64 and exotic floats are kept exactly
-        is_mask = x.dtype is torch.bool
-        if not (is_float or is_mask):
-            raw = self._count_storage(x)
-            self._add_raw(raw)
+        return super().pack(x)
+
+    def store_tensor(self, x: torch.Tensor, *context: Any) -> Any:
+        """Pack ``x`` as the base classifies it and file its bytes in this pass's :class:`PassStats`."""
+        # The storage is counted before packing: raw bytes include what gets compressed away.
+        raw = self.count_storage(x)
+        self._add_raw(raw)
+        stored = super().store_tensor(x, *context)
+        if stored is x:
             self._add_held(raw)
             self.stats.kept_tensors += 1
-            return x
-
-        key = (_storage_key(x), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version)
-        hit = self._dedup.get(key)
-        if hit is not None and hit[0]() is not None:
-            self.stats.dedup_hits += 1
-            return hit[1]
-
-        raw = self._count_storage(x)
-        self._add_raw(raw)
-        if is_mask:
-            packed = Packed(self.codec("bitmask"), self.codec("bitmask").compress(x), x, -1, 1)
-            self.stats.mask_tensors += 1
+        elif self.swap is not None and self.swap.active:
+            self.swap.offload(stored)
+            self.stats.swapped_bytes += stored.nbytes
         else:
-            tid = self._next_id if x.numel() >= self.min_numel else -1
-            bits = KEEP_BITS
-            if tid >= 0:
-                self._next_id += 1
-                self.tensors[tid] = TensorInfo(tid, x.numel(), tuple(x.shape), x.dtype)
-                bits = self.bits_for(tid, x.numel())
-            if bits >= KEEP_BITS:
-                self._add_held(raw)
-                self.stats.kept_tensors += 1
-                self._dedup[key] = (weakref.ref(x), x)
-                return x
-            codec = self.codec("stochastic", bits=int(bits), group_size=self.group_size)
-            try:
-                payload = self._compress_seeded(codec, x.detach(), self.seed_for(tid))
-            except ValueError as exc:
-                if type(exc).__name__ != "NonFiniteInputError":
-                    raise
-                # NaN/Inf would poison the whole group; keep it exact and let the loss scaler see it.
-                self._add_held(raw)
-                self.stats.kept_tensors += 1
-                self._dedup[key] = (weakref.ref(x), x)
-                return x
-            packed = Packed(codec, payload, x, tid, int(bits))
-            self.stats.compressed_tensors += 1
-        if self.swap is not None and self.swap.active:
-            self.swap.offload(packed)
-            self.stats.swapped_bytes += packed.nbytes
-        else:
-            self._add_held(packed.nbytes)
-        self._dedup[key] = (weakref.ref(x), packed)
+            self._add_held(stored.nbytes)
+        return stored
+
+    def pack_mask(self, x: torch.Tensor, *context: Any) -> CompressedSavedTensor:
+        """A dropout mask, 1 bit per value through the ``bitmask`` codec."""
+        codec = self.codec("bitmask")
+        packed = CompressedSavedTensor(codec, codec.compress(x), x, -1, 1)
+        self.stats.mask_tensors += 1
         return packed
 
-    @staticmethod
-    def unpack(obj: Any) -> Any:
-        if isinstance(obj, Packed):
-            return obj.unpack()
-        return obj
+    def compress(self, x: torch.Tensor, *context: Any) -> CompressedSavedTensor | None:
+        """Number ``x`` and quantize it at the bit width the controller chose for it (None: keep it)."""
+        if x.dtype not in _QUANTIZABLE:  # float64 and exotic floats are kept exactly
+            return None
+        tid = self._next_id if x.numel() >= self.min_numel else -1
+        bits = KEEP_BITS
+        if tid >= 0:
+            self._next_id += 1
+            self.tensors[tid] = TensorInfo(tid, x.numel(), tuple(x.shape), x.dtype)
+            bits = self.bits_for(tid, x.numel())
+        if bits >= KEEP_BITS:
+            return None
+        codec = self.codec("stochastic", bits=int(bits), group_size=self.group_size)
+        payload = self._compress_seeded(codec, x.detach(), self.seed_for(tid))
+        self.stats.compressed_tensors += 1
+        return CompressedSavedTensor(codec, payload, x, tid, int(bits))

@@ -1,4 +1,5 @@
-"""GACT inside megatron-core models and ``adacc train``.
+"""GACT's changes to megatron-core models, for levels CB1 and CB2 (:mod:`~megatron_adacc.gact.extension` decides
+when to make them).
 
 * :func:`enable_full_recompute` (CB1/CB2): switches the model's ``TransformerConfig`` to full, uniform,
   one-layer recompute. Megatron's ``CheckpointFunction`` saves each layer's inputs with
@@ -10,24 +11,19 @@
   q, k, v, the output and a ``[b, np, s]`` log-sum-exp: linear in the sequence length instead of quadratic.
   Refused (with the reason) where that kernel cannot hold the same semantics: attention dropout on CPU
   (torch falls back to the quadratic path), non-vanilla softmax, sliding windows, attention bias, packed
-  sequences. Transformer-Engine specs already use fused attention; there is nothing to replace.
-* :class:`GactExtension` / :func:`build_extension`: the ``--gact-*`` flags as a ``TrainingExtension``.
+  sequences. Transformer-Engine specs already use fused attention; there is nothing to replace. The swap is
+  a per-instance patch through :mod:`megatron_adacc.core.patching`, so ``unpatch(module, "forward")`` undoes it.
 """
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from megatron_adacc.core.extension import TrainingContext, TrainingExtension
-from megatron_adacc.gact.controller import Controller
-from megatron_adacc.gact.levels import Level
-
-_MARKER = "__megatron_adacc_patched__"
+from megatron_adacc.core.patching import is_patched, mark, patch
 
 
 def _configs(modules: Iterable[torch.nn.Module]) -> list[Any]:
@@ -104,6 +100,15 @@ def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None, 
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
 
+def _sdpa_binder(attention: torch.nn.Module):
+    """``make_wrapper`` for :func:`~megatron_adacc.core.patching.patch`: ``_sdpa_forward`` bound to ``attention``.
+
+    A bound method, like the forward it replaces. It takes no attributes of its own, so it is marked up front
+    (:func:`mark` writes through to the function) rather than letting ``patch`` copy the original's name onto
+    it, which would fail."""
+    return lambda original: mark(types.MethodType(_sdpa_forward, attention), original)
+
+
 def enable_memory_efficient_attention(modules: Iterable[torch.nn.Module]) -> str:
     """Swap every local-spec ``DotProductAttention`` forward for SDPA (CB2); returns a note, or raises
     naming what prevents it."""
@@ -114,7 +119,7 @@ def enable_memory_efficient_attention(modules: Iterable[torch.nn.Module]) -> str
         for sub in m.modules():
             if not isinstance(sub, DotProductAttention):
                 continue
-            if getattr(sub, _MARKER, False):
+            if is_patched(vars(sub).get("forward")):  # this instance's own forward, not a class-level patch
                 already += 1
                 continue
             cfg = sub.config
@@ -130,80 +135,9 @@ def enable_memory_efficient_attention(modules: Iterable[torch.nn.Module]) -> str
             if problems:
                 raise ValueError("GACT CB2 cannot use memory-efficient attention here: " + ", ".join(problems)
                                  + ". Use --gact-level CB1.")
-            sub.__wrapped__ = sub.forward
-            sub.forward = types.MethodType(_sdpa_forward, sub)
-            setattr(sub, _MARKER, True)
+            patch(sub, "forward", _sdpa_binder(sub), why="GACT CB2 swaps DotProductAttention.forward for SDPA")
             swapped += 1
     if swapped + already == 0:
         return ("no local-spec DotProductAttention found (Transformer-Engine attention is already fused); "
                 "CB2 adds nothing over CB1")
     return f"memory-efficient attention (SDPA flash kernel) in {swapped + already} attention modules"
-
-
-class GactExtension(TrainingExtension):
-    """``adacc train --gact-level ...``: compress every micro-batch's saved tensors, adapt bits."""
-
-    name = "gact"
-
-    def __init__(self, level: str | Level = "L1", bits: float = 4.0, adapt_interval: int = 1000,
-                 group_size: int = 256, adaptive: bool = True, seed: int = 0, **controller_kwargs: Any):
-        self.level = Level.parse(level)
-        self.kwargs = dict(level=self.level, bits=bits, adapt_interval=adapt_interval, group_size=group_size,
-                           adaptive=adaptive, seed=seed, **controller_kwargs)
-        self.controller: Controller | None = None
-        self._forward_backward = None
-        self._pending_state: dict | None = None
-
-    def setup(self, ctx: TrainingContext) -> None:
-        self.controller = Controller(ctx.model, **self.kwargs)
-        if self._pending_state:
-            self.controller.load_state_dict(self._pending_state)
-        self._forward_backward = ctx.forward_backward
-        a = ctx.args
-        if a is not None and getattr(a, "global_batch_size", None) and getattr(a, "micro_batch_size", None):
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            self.controller.microbatches_per_step = max(1, a.global_batch_size // (a.micro_batch_size * world))
-        if self.level.compresses and self.controller.adaptive and ctx.forward_backward is None:
-            raise RuntimeError("GACT adaptive bits need TrainingContext.forward_backward to probe gradients")
-
-    def microbatch_context(self):
-        assert self.controller is not None, "GactExtension.setup() was not called"
-        return self.controller.hooks()
-
-    def on_step_begin(self, iteration: int) -> None:
-        ctl = self.controller
-        ctl.iteration = iteration - 1
-        ctl.maybe_adapt(self._forward_backward)
-
-    def on_step_end(self, iteration: int, loss: float) -> None:
-        self.controller.observe_gradients()
-        self.controller.iteration = iteration
-
-    def state_dict(self) -> dict:
-        return self.controller.state_dict() if self.controller is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.controller is None:
-            self._pending_state = state
-        elif state:
-            self.controller.load_state_dict(state)
-
-    def report(self) -> dict[str, Any]:
-        return self.controller.report() if self.controller is not None else {"gact_level": self.level.value}
-
-
-def build_extension(args: Any) -> GactExtension:
-    """Extension for ``adacc train`` arguments (``--gact-level/-bits/-adapt-interval/-group-size``).
-
-    ``args.gact_adaptive = False`` (no flag yet; the benchmark sets it) gives fixed bits."""
-    bits = float(getattr(args, "gact_bits", 4.0))
-    if not math.isfinite(bits):
-        raise ValueError(f"--gact-bits must be finite, got {bits}")
-    return GactExtension(
-        level=getattr(args, "gact_level", "L0"),
-        bits=bits,
-        adapt_interval=int(getattr(args, "gact_adapt_interval", 1000)),
-        group_size=int(getattr(args, "gact_group_size", 256)),
-        adaptive=bool(getattr(args, "gact_adaptive", True)),
-        seed=int(getattr(args, "seed", 0) or 0),
-    )

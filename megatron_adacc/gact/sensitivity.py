@@ -1,15 +1,16 @@
-"""Numerical sensitivity estimation (Algorithm 1) and the gradient-variance monitor (section 4.2).
+"""Gradient and RNG tools of GACT's sensitivity probe (Algorithm 1, :mod:`~megatron_adacc.gact.probe`).
 
 Memory discipline: the original implementation concatenated every parameter gradient into one vector for
 each of three probe evaluations and for the running mean, so a probe held several extra model-sized
 buffers at once (and leaked them). Here gradients are read parameter by parameter: a probe holds exactly
-one reference gradient copy (``g0``) and reduces every later evaluation against it in place; the monitor
-holds one running-mean buffer. Nothing is ever concatenated.
+one reference gradient copy (``g0``) and reduces every later evaluation against it in place (the variance
+monitor, :mod:`~megatron_adacc.gact.monitor`, holds one running-mean buffer). Nothing is ever concatenated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -62,12 +63,14 @@ def frozen_rng() -> Iterator[Callable[[], None]]:
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     tracker = None
+    # Looked up, not imported: a model that uses the tracker has loaded it, and a plain torch model must not
+    # pull megatron-core in.
+    mpu_random = sys.modules.get("megatron.core.tensor_parallel.random")
     try:
-        from megatron.core.tensor_parallel import random as mpu_random
-
-        tracker = mpu_random.get_cuda_rng_tracker()
-        tracker_states = tracker.get_states()
-    except (ImportError, AttributeError, RuntimeError):  # no megatron (or no tracker): torch RNG only
+        if mpu_random is not None:
+            tracker = mpu_random.get_cuda_rng_tracker()
+            tracker_states = tracker.get_states()
+    except (AttributeError, RuntimeError):  # no tracker: torch RNG only
         tracker = None
 
     def reset() -> None:
@@ -81,45 +84,3 @@ def frozen_rng() -> Iterator[Callable[[], None]]:
         yield reset
     finally:
         reset()
-
-
-class GradientVarianceMonitor:
-    """Running estimate of the gradient's variance across steps, ``E||g - E g||^2``.
-
-    Bias-corrected exponential moving averages of the gradient (one buffer per parameter) and of
-    ``||g - mean||^2``, as GACT's a-posteriori failure check does.
-    """
-
-    def __init__(self, momentum: float = 0.9):
-        if not 0.0 < momentum < 1.0:
-            raise ValueError(f"variance momentum must be in (0, 1), got {momentum}")
-        self.momentum = momentum
-        self._mean: list[torch.Tensor | None] = []
-        self._corr = 0.0
-        self._var = 0.0
-        self.observations = 0
-
-    def update(self, params: Sequence[torch.Tensor]) -> None:
-        grads = [gradient_of(p) for p in params]
-        if all(g is None for g in grads):
-            return
-        m = self.momentum
-        if not self._mean:
-            self._mean = [None] * len(params)
-        self._corr = self._corr * m + (1 - m)
-        dist = 0.0
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            g = g.detach()
-            if self._mean[i] is None:
-                self._mean[i] = torch.zeros_like(g, dtype=torch.float32)
-            buf = self._mean[i]
-            buf.mul_(m).add_(g.float(), alpha=1 - m)
-            dist += float(torch.linalg.vector_norm(buf / self._corr - g.float(), dtype=torch.float64) ** 2)
-        self._var = self._var * m + (1 - m) * dist
-        self.observations += 1
-
-    @property
-    def variance(self) -> float:
-        return self._var / self._corr if self._corr else 0.0

@@ -11,7 +11,7 @@ from torch import nn
 
 from megatron_adacc import gact
 from megatron_adacc.gact.allocation import variance_factor
-from megatron_adacc.gact.hooks import Packed
+from megatron_adacc.gact.hooks import CompressedSavedTensor
 
 
 class NativeDropout(nn.Module):
@@ -115,7 +115,7 @@ def test_parameters_and_integer_tensors_are_never_compressed(codec_factory):
     for x, out in seen:
         if x.data_ptr() in weights or not x.is_floating_point():
             assert out is x
-    assert any(isinstance(out, Packed) for _, out in seen)  # the embedding output was compressed
+    assert any(isinstance(out, CompressedSavedTensor) for _, out in seen)  # the embedding output was compressed
 
 
 class _SavedTwice(torch.autograd.Function):

@@ -1,5 +1,5 @@
 """GACT on megatron-core's GPT (local spec, CPU): L0 exactness, L1 through the training extension, CB1
-recompute of compressed layer inputs, CB2 memory-efficient attention."""
+recompute of compressed layer inputs, CB2 memory-efficient attention (both made by the extension)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from megatron_adacc import gact
 from megatron_adacc.core.extension import TrainingContext
-from megatron_adacc.gact.megatron import GactExtension
+from megatron_adacc.core.patching import is_patched, unpatch
+from megatron_adacc.gact.extension import GactExtension, apply_level_effects
+from megatron_adacc.gact.megatron import enable_memory_efficient_attention
 
 pytest.importorskip("megatron.core")
 from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, memory_cap, tiny_batch  # noqa: E402
@@ -37,6 +39,13 @@ def _fwd_bwd(model, batch):
 def _with(context_fn, model, batch):
     with context_fn():
         return loss_and_grads(model, batch)
+
+
+def _fixed_bits_extension(level, model, codec_factory):
+    """GACT at ``level`` the way ``adacc train`` sets it up (level effects included), 4 fixed bits."""
+    ext = GactExtension(level=level, bits=4, adaptive=False, group_size=64, codec_factory=codec_factory)
+    ext.setup(TrainingContext(args=None, config=model.config, model=[model], ddp_model=[model], optimizer=None))
+    return ext
 
 
 def test_l0_extension_is_bit_identical_to_no_gact():
@@ -108,18 +117,29 @@ def test_cb1_recomputes_from_compressed_layer_inputs(codec_factory):
     ref_loss, ref = loss_and_grads(model, batch)
     l1 = gact.Controller(model, level="L1", bits=4, adaptive=False, codec_factory=codec_factory, group_size=64)
     _, g1 = _with(l1.hooks, model, batch)
-    cb1 = gact.Controller(model, level="CB1", bits=4, adaptive=False, codec_factory=codec_factory,
-                          group_size=64)
+    cb1 = _fixed_bits_extension("CB1", model, codec_factory)
     assert model.config.recompute_granularity == "full" and model.config.recompute_num_layers == 1
-    loss, g = _with(cb1.hooks, model, batch)
+    loss, g = _with(cb1.microbatch_context, model, batch)
     assert torch.equal(loss, ref_loss)  # the forward itself is untouched
-    st = cb1.compressor.last_stats
+    st = cb1.controller.compressor.last_stats
     assert st.recompute_bytes > 0  # activations re-saved during backward went through the hooks too
     assert cb1.report()["saved_activation_bytes"] < l1.report()["saved_activation_bytes"]
     assert _max_rel_err(g, ref) < 0.5
     model.config.recompute_granularity = "selective"
     with pytest.raises(ValueError, match="selective"):
+        apply_level_effects("CB1", model)
+
+
+def test_controller_at_cb1_requires_the_extension_to_have_switched_recompute_on(codec_factory):
+    """The plain-PyTorch controller changes no megatron setting; on an unprepared model it names the way in."""
+    model = build_tiny_gpt()
+    with pytest.raises(ValueError, match="apply_level_effects"):
         gact.Controller(model, level="CB1", codec_factory=codec_factory)
+    assert model.config.recompute_granularity is None  # and it left the model as it was
+    assert apply_level_effects("L2", model) == []
+    assert apply_level_effects("CB1", model) == ["full recompute enabled (uniform, 1 layer per checkpoint)"]
+    ctl = gact.Controller(model, level="CB1", bits=4, adaptive=False, codec_factory=codec_factory)
+    assert ctl.report()["gact_level"] == "CB1" and "gact_notes" not in ctl.report()
 
 
 def test_cb2_attention_matches_and_saves_no_score_matrix(codec_factory):
@@ -141,8 +161,6 @@ def test_cb2_attention_matches_and_saves_no_score_matrix(codec_factory):
         return sum(n)
 
     before = saved_bytes(model)
-    from megatron_adacc.gact.megatron import enable_memory_efficient_attention
-
     note = enable_memory_efficient_attention([model])
     assert "2 attention modules" in note
     loss, g = loss_and_grads(model, batch)
@@ -151,7 +169,25 @@ def test_cb2_attention_matches_and_saves_no_score_matrix(codec_factory):
     assert saved_bytes(model) < before
     # CB2 refuses attention dropout on CPU, naming the fix
     with pytest.raises(ValueError, match="attention-dropout 0"):
-        gact.Controller(build_tiny_gpt(), level="CB2", codec_factory=codec_factory)
+        apply_level_effects("CB2", build_tiny_gpt())
+
+
+def test_cb2_attention_is_a_marked_instance_patch_that_unpatches():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    model = build_tiny_gpt(attention_dropout=0.0, hidden_dropout=0.0)
+    batch = tiny_batch()
+    ref_loss, ref = loss_and_grads(model, batch)
+    attention = [m for m in model.modules() if isinstance(m, DotProductAttention)]
+    enable_memory_efficient_attention([model])
+    assert all(is_patched(vars(m)["forward"]) for m in attention)
+    assert not is_patched(DotProductAttention.forward)  # the class (other models) is untouched
+    assert enable_memory_efficient_attention([model]).endswith("in 2 attention modules")  # idempotent
+    assert all(m.forward.__self__ is m for m in attention)  # bound to its own module, like the original
+    assert all(unpatch(m, "forward") for m in attention)
+    assert all("forward" not in vars(m) for m in attention)
+    loss, g = loss_and_grads(model, batch)  # the original attention again: bit-identical
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g[k], ref[k]) for k in ref)
 
 
 def test_build_extension_reads_the_gact_flags():
@@ -188,10 +224,9 @@ def test_cb2_controller_combines_recompute_compression_and_sdpa(codec_factory):
     model = build_tiny_gpt(attention_dropout=0.0)
     batch = tiny_batch()
     ref_loss, ref = loss_and_grads(model, batch)
-    ctl = gact.Controller(model, level="CB2", bits=4, adaptive=False, codec_factory=codec_factory,
-                          group_size=64)
-    notes = " ".join(ctl.report()["gact_notes"])
+    ext = _fixed_bits_extension("CB2", model, codec_factory)
+    notes = " ".join(ext.report()["gact_notes"])
     assert "full recompute enabled" in notes and "memory-efficient attention" in notes
-    loss, g = _with(ctl.hooks, model, batch)
+    loss, g = _with(ext.microbatch_context, model, batch)
     assert float(loss) == pytest.approx(float(ref_loss), abs=1e-5)
     assert _max_rel_err(g, ref) < 0.5
