@@ -39,8 +39,23 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+#: Exit status of a refused command line or input (an :class:`~megatron_adacc.core.errors.AdaccError`), argparse's.
+EXIT_REFUSED = 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one ``adacc`` command. A refusal (:class:`~megatron_adacc.core.errors.AdaccError`) prints its message
+    alone, with no traceback, and exits with :data:`EXIT_REFUSED`: it is the user's to fix, not a bug."""
+    from megatron_adacc.core.errors import AdaccError
+
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except AdaccError as exc:
+        print(f"adacc: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+def _dispatch(argv: list[str]) -> int:
     from megatron_adacc.compat import quiet_fallback_warnings
 
     quiet_fallback_warnings()
@@ -61,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return policy_cli.main(argv)
     print(f"adacc: unknown command {argv[0]!r}; see `adacc --help`", file=sys.stderr)
-    return 2
+    return EXIT_REFUSED
 
 
 if __name__ == "__main__":

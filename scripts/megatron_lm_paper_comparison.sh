@@ -48,5 +48,5 @@ for mbs in "${batches[@]}"; do
 done
 
 config_json="{\"model\": \"$model\", \"gpus\": $world, \"iters\": ${ITERS:-30}, \"precision\": \"${PRECISION:-bf16}\", \"data\": \"${DATA_PATH:-mock}\"}"
-(cd "$HERE" && "$PYTHON" -m megatron_adacc.megatron_lm.logs --summarize "$out_dir" \
+(cd "$HERE" && "$PYTHON" -m megatron_adacc.bench.megatron_lm_logs --summarize "$out_dir" \
     --name "megatron_lm_${model}" --seq-length "$seq_length" --config-json "$config_json")

@@ -19,7 +19,7 @@ for method in baseline full-recompute adacc-auto; do
     echo "$method: exit $rc ($log)"
     [ "$rc" -eq 0 ] || status=1
 done
-(cd "$HERE" && "${PYTHON:-python}" -m megatron_adacc.megatron_lm.logs --summarize "$out_dir" \
+(cd "$HERE" && "${PYTHON:-python}" -m megatron_adacc.bench.megatron_lm_logs --summarize "$out_dir" \
     --name megatron_lm_smoke --seq-length 1024 \
     --config-json '{"model": "gpt-345m with 8 layers", "gpus": 1, "iters": 20, "data": "mock"}')
 exit "$status"

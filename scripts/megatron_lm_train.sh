@@ -72,7 +72,7 @@ else
 fi
 
 # Every method uses the local layer spec (Adacc sees its ops one by one; the baselines use it too so the
-# comparison is like for like) and logs step time, throughput and peak memory for megatron_lm.logs.
+# comparison is like for like) and logs step time, throughput and peak memory for megatron_adacc.bench.megatron_lm_logs.
 common_flags=(
     --transformer-impl local
     --log-interval "${LOG_INTERVAL:-5}" --log-throughput --log-memory-interval "${LOG_INTERVAL:-5}"

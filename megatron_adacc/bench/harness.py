@@ -31,7 +31,7 @@ METRICS = (
 #: Metrics where smaller is better; the table's ratio column reads "x slower / x larger" for these.
 LOWER_IS_BETTER = {"step_time_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss"}
 
-_NOT_BENCHMARKS = {"harness", "common"}
+_NOT_BENCHMARKS = {"harness", "common", "megatron_lm_logs"}
 
 
 def available_benchmarks() -> list[str]:
@@ -115,7 +115,7 @@ def _fmt(metric: str, value) -> str:
     if value is None:
         return "-"
     if metric.endswith("_bytes"):
-        from megatron_adacc.training.memory import format_bytes
+        from megatron_adacc.core.units import format_bytes
 
         return format_bytes(value)
     if metric == "step_time_s":

@@ -6,7 +6,7 @@ each log; this module turns those logs into the benchmark metrics (``step_time_s
 It reads the lines ``training_log`` prints (``iteration N/M | ... elapsed time per iteration (ms): X | ...
 lm loss: Y |``) and ``report_memory``'s ``[Rank r] (after N iterations) memory (MB) | ... max allocated: Z``.
 
-Usage: ``python -m megatron_adacc.megatron_lm.logs LOG [LOG ...]`` prints one JSON object per log;
+Usage: ``python -m megatron_adacc.bench.megatron_lm_logs LOG [LOG ...]`` prints one JSON object per log;
 ``--summarize DIR --name NAME`` writes ``benchmarks/results/NAME.json`` from ``DIR/METHOD-mbsN.log``.
 """
 
@@ -114,7 +114,7 @@ def write_summary(log_dir: str | Path, name: str, config: dict[str, Any], seq_le
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_adacc.megatron_lm.logs",
+    parser = argparse.ArgumentParser(prog="python -m megatron_adacc.bench.megatron_lm_logs",
                                      description="Metrics from Megatron-LM training logs.")
     parser.add_argument("logs", nargs="*", help="log files: print one JSON object per log")
     parser.add_argument("--summarize", metavar="DIR", help="collect DIR/METHOD-mbsN.log into a results JSON")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megatron_adacc.bench import harness
 from megatron_adacc.bench.common import interleaved_runs, keep_all_offset, profile_for, train_method
+from megatron_adacc.core.errors import InputNotFound, IntegrationError
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
@@ -96,7 +97,7 @@ def run(args) -> dict:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"fig5", "fig6", "fig7"}
     if unknown:
-        raise SystemExit(f"unknown --parts {sorted(unknown)}; choose from fig5, fig6, fig7")
+        raise IntegrationError(f"unknown --parts {sorted(unknown)}; choose from fig5, fig6, fig7")
     recorded = _recorded(args) if parts != {"fig5", "fig6", "fig7"} else None
     import tempfile
 
@@ -295,7 +296,7 @@ def _recorded(args) -> dict:
 
     path = harness.results_dir(args) / "paper.json"
     if not path.exists():
-        raise SystemExit(f"{path} does not exist: run every part of `adacc bench paper"
+        raise InputNotFound(f"{path} does not exist: run every part of `adacc bench paper"
                          f"{' --quick' if args.quick else ''}` once first")
     return json.loads(path.read_text())
 

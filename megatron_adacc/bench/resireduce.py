@@ -20,6 +20,7 @@ import statistics
 import sys
 
 from megatron_adacc.bench import harness
+from megatron_adacc.core.errors import IntegrationError
 
 SCHEMES = {
     "no_compression": "off",
@@ -73,7 +74,7 @@ def run(args) -> dict:
     names = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(names) - set(SCHEMES))
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(SCHEMES)}")
+        raise IntegrationError(f"--methods: unknown {unknown}; known: {', '.join(SCHEMES)}")
     order = []
     for r in range(rounds):
         order += names if r % 2 == 0 else names[::-1]

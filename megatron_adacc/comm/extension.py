@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from megatron_adacc.comm import build_reducer
 from megatron_adacc.comm.megatron_ddp import MegatronAttachment, attach
+from megatron_adacc.comm.options import DEFAULTS, ReducerOptions
+from megatron_adacc.comm.pipeline import build_reducer
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
-
-
-def _storage_bytes(tensors, seen: set[int]) -> int:
-    total = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+from megatron_adacc.core.saved import unique_storage_bytes
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -43,19 +33,19 @@ def measure_model_state(ddp_models: list, optimizer: Any, residual_bytes: int = 
     params = grads = 0
     for ddp in ddp_models:
         module = getattr(ddp, "module", ddp)
-        params += _storage_bytes(module.parameters(), seen)
+        params += unique_storage_bytes(module.parameters(), seen)
         for buf in list(getattr(ddp, "buffers", []) or []) + list(
             getattr(ddp, "expert_parallel_buffers", []) or []
         ):
-            grads += _storage_bytes([buf.grad_data], seen)
+            grads += unique_storage_bytes([buf.grad_data], seen)
             if getattr(buf, "param_data", None) is not None:
-                params += _storage_bytes([buf.param_data], seen)
+                params += unique_storage_bytes([buf.param_data], seen)
     opt_bytes = 0
     for opt in _torch_optimizers(optimizer):
         for group in opt.param_groups:
-            opt_bytes += _storage_bytes(group["params"], seen)
+            opt_bytes += unique_storage_bytes(group["params"], seen)
         for state in opt.state.values():
-            opt_bytes += _storage_bytes(state.values(), seen)
+            opt_bytes += unique_storage_bytes(state.values(), seen)
     return {
         "param_bytes": params,
         "grad_bytes": grads,
@@ -74,21 +64,11 @@ class ResiReduceExtension(TrainingExtension):
 
     name = "resireduce"
 
-    def __init__(
-        self,
-        scheme: str,
-        compressor: str = "topk",
-        density: float = 0.01,
-        qsgd_levels: int = 16,
-        group_size: int = 4,
-        phi: float = 0.5,
-        ratio: float = 0.5,
-        seed: int = 0,
-    ):
-        self.scheme, self.compressor_name = scheme, compressor
-        self.options = dict(
-            density=density, qsgd_levels=qsgd_levels, group_size=group_size, phi=phi, ratio=ratio
-        )
+    def __init__(self, scheme: str, options: ReducerOptions = DEFAULTS, seed: int = 0, **overrides: Any):
+        """``overrides`` replace single fields of ``options`` (``ResiReduceExtension("w", density=0.1)``)."""
+        options = dataclasses.replace(options, **overrides)
+        self.scheme, self.compressor_name = scheme, options.compressor
+        self.options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "compressor"}
         self.seed = seed
         self.attachment: MegatronAttachment | None = None
         self.ctx: TrainingContext | None = None
@@ -96,16 +76,7 @@ class ResiReduceExtension(TrainingExtension):
 
     @classmethod
     def from_args(cls, args: Any) -> ResiReduceExtension:
-        return cls(
-            scheme=args.resireduce,
-            compressor=getattr(args, "grad_compressor", "topk"),
-            density=getattr(args, "grad_compress_density", 0.01),
-            qsgd_levels=getattr(args, "qsgd_levels", 16),
-            group_size=getattr(args, "resireduce_group_size", 4),
-            phi=getattr(args, "resireduce_phi", 0.5),
-            ratio=getattr(args, "resireduce_ratio", 0.5),
-            seed=getattr(args, "seed", 0),
-        )
+        return cls(args.resireduce, ReducerOptions.from_args(args), seed=getattr(args, "seed", 0) or 0)
 
     def setup(self, ctx: TrainingContext) -> None:
         if torch.distributed.is_initialized():
@@ -171,3 +142,10 @@ class ResiReduceExtension(TrainingExtension):
         if self.ctx is not None:
             out.update(measure_model_state(self.ctx.ddp_model, self.ctx.optimizer, memory.residual_bytes()))
         return out
+
+
+def build_extension(args: Any) -> ResiReduceExtension | None:
+    """The extension for ``--resireduce`` (None when it is ``off``)."""
+    if getattr(args, "resireduce", "off") == "off":
+        return None
+    return ResiReduceExtension.from_args(args)

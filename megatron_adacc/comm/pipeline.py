@@ -10,6 +10,9 @@ import torch
 
 from megatron_adacc.comm.base import Communicator, Compressor, Memory, PendingExchange
 from megatron_adacc.comm.communicator import communicator_for, world_size
+from megatron_adacc.comm.compressors import build_compressor
+from megatron_adacc.comm.memories import build_memory
+from megatron_adacc.comm.options import DEFAULTS
 
 
 @dataclass
@@ -105,3 +108,21 @@ class CompressedReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])
+
+
+def build_reducer(
+    scheme: str,
+    compressor: str = DEFAULTS.compressor,
+    *,
+    density: float = DEFAULTS.density,
+    qsgd_levels: int = DEFAULTS.qsgd_levels,
+    group_size: int = DEFAULTS.group_size,
+    phi: float = DEFAULTS.phi,
+    ratio: float = DEFAULTS.ratio,
+    seed: int = 0,
+) -> CompressedReducer:
+    """A reducer for ``--resireduce S --grad-compressor C``; ``seed`` should differ per rank."""
+    return CompressedReducer(
+        build_compressor(compressor, density=density, qsgd_levels=qsgd_levels, seed=seed),
+        build_memory(scheme, group_size=group_size, phi=phi, ratio=ratio),
+    )

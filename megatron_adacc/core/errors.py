@@ -26,3 +26,7 @@ class FeatureUnavailable(AdaccError, ImportError):
 
 class PatchTargetMissing(AdaccError, RuntimeError):
     """A function megatron-adacc wraps does not exist in the installed Megatron (or torch)."""
+
+
+class InputNotFound(AdaccError, FileNotFoundError):
+    """A file the command line names (a policy, a config, a checkpoint) is not there."""

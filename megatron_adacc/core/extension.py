@@ -44,11 +44,11 @@ class TrainingExtension:
 
     name: str = "extension"
 
-    def wrap_model(self, chunks: list, wrap: Callable[[list], list]) -> list:
+    def wrap_model(self, chunks: list, wrap: Callable[[list], list], ddp_config: Any = None) -> list:
         """The model chunks as they will be trained. ``wrap`` is the host's choice (Megatron's DDP, or the
-        previous extension's); an extension that replaces it (AdamA, which must not have DDP's gradient
-        buffer) returns its own wrappers. Called before :meth:`build_optimizer`, only for extensions of a
-        feature that declares the ``wrap_model`` hook."""
+        next extension's) and ``ddp_config`` the DDP configuration it uses; an extension that replaces it
+        (AdamA, which must not have DDP's gradient buffer) returns its own wrappers. Called before
+        :meth:`build_optimizer`, only for extensions of a feature that declares the ``wrap_model`` hook."""
         return wrap(chunks)
 
     def build_optimizer(self, chunks: list, build: Callable[[list], Any]) -> Any:

@@ -12,12 +12,13 @@ flags, while the feature's own modules are imported only when its flag is on.
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from megatron_adacc.core.errors import IntegrationError
+from megatron_adacc.core.errors import FeatureUnavailable, IntegrationError
 
 #: Host hooks a feature may declare beyond the ones every host always calls. A host installs the (Megatron-LM)
 #: wrappers for these only when an enabled feature asks, so runs without such a feature stay untouched.
@@ -108,15 +109,15 @@ def build_extensions(features: Iterable[Feature], args: Any, config: Any) -> lis
     return [ext for f in features for ext in f.build_extensions(args, config)]
 
 
-def wrap_model(extensions: Iterable[Any], chunks: list, wrap: Callable[[list], list]) -> list:
-    """``wrap`` passed through every extension's ``wrap_model`` (the innermost decides first)."""
+def wrap_model(extensions: Iterable[Any], chunks: list, wrap: Callable[[list], list], ddp_config: Any = None) -> list:
+    """``wrap`` passed through every extension's ``wrap_model``: the first extension has the last word."""
     for ext in reversed(list(extensions)):
-        wrap = _chain(ext.wrap_model, wrap)
+        wrap = _chain(lambda c, inner, hook=ext.wrap_model: hook(c, inner, ddp_config), wrap)
     return wrap(chunks)
 
 
 def build_optimizer(extensions: Iterable[Any], chunks: list, build: Callable[[list], Any]) -> Any:
-    """``build`` passed through every extension's ``build_optimizer``."""
+    """``build`` passed through every extension's ``build_optimizer``: the first extension has the last word."""
     for ext in reversed(list(extensions)):
         build = _chain(ext.build_optimizer, build)
     return build(chunks)
@@ -124,3 +125,29 @@ def build_optimizer(extensions: Iterable[Any], chunks: list, build: Callable[[li
 
 def _chain(hook: Callable[[list, Callable], Any], inner: Callable[[list], Any]) -> Callable[[list], Any]:
     return lambda chunks: hook(chunks, inner)
+
+
+def require(feature: Feature, module: str, attr: str) -> Any:
+    """``module.attr``, imported now that ``feature``'s flag is on, or :class:`FeatureUnavailable` naming the
+    flag and the fix (a broken installation should not look like a bug of the training run)."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise FeatureUnavailable(
+            f"{feature.flag} needs {module}.{attr}, which this installation of megatron-adacc cannot provide "
+            f"({type(exc).__name__}: {exc}). Reinstall megatron-adacc (`pip install -e .` from the "
+            f"repository, with its compiled extension), or run without {feature.flag}."
+        ) from exc
+
+
+def saved_tensor_hook_problems(flag: str, args: Any) -> list[str]:
+    """Megatron features that cannot run with a feature (``flag``) owning the saved-tensor hooks."""
+    found = []
+    if getattr(args, "fine_grained_activation_offloading", False):
+        found.append(f"{flag} cannot run with --fine-grained-activation-offloading (both own the saved-tensor "
+                     "hooks); drop --fine-grained-activation-offloading")
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+        found.append(f"{flag} cannot run inside CUDA graphs; use --cuda-graph-impl none")
+    if getattr(args, "fp8", None) is not None or getattr(args, "fp4", None) is not None:
+        found.append(f"{flag} compresses 16/32-bit activations; drop --fp8-format / --fp4-format")
+    return found

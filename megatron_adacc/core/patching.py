@@ -51,8 +51,14 @@ def _owner_name(owner: Any) -> str:
 
 
 def target(owner: Any, name: str, why: str = "") -> Any:
-    """``owner.name``, or :class:`PatchTargetMissing` naming it, the installed version and ``why``."""
-    original = inspect.getattr_static(owner, name, None)
+    """``owner.name``, or :class:`PatchTargetMissing` naming it, the installed version and ``why``.
+
+    On a module or class the attribute as stored (a static or class method stays one); on an instance the
+    bound method, which the instance attribute that replaces it must call."""
+    if isinstance(owner, (ModuleType, type)):
+        original = inspect.getattr_static(owner, name, None)
+    else:
+        original = getattr(owner, name, None)
     if original is None:
         hint = f" ({why})" if why else ""
         raise PatchTargetMissing(

@@ -7,15 +7,15 @@ stock one. Otherwise it checks the flag combination and wraps three functions of
 and, for ``--adama``, one of the model builder:
 
 * ``setup_model_and_optimizer``: after Megatron built the model chunks, the optimizer and loaded a checkpoint,
-  :func:`attach` builds the feature extensions exactly as ``adacc train`` does
-  (:func:`megatron_adacc.training.features.build_extensions`: Adacc's policy and runtime, GACT, ResiReduce)
-  and sets them up;
+  :func:`attach` sets up the extensions the enabled features built (the registry,
+  :mod:`megatron_adacc.features`, iterated exactly as ``adacc train`` does);
 * ``train_step``: calls the extensions' ``on_step_begin`` / ``on_step_end`` and enters their
   ``microbatch_context`` around every micro-batch's forward (saved-tensor hooks registered there also govern
   that micro-batch's backward, because autograd keeps the unpack hook with each saved tensor);
-* ``get_megatron_optimizer`` (only with ``--adama``): builds AdamA instead, before Megatron creates the
-  learning-rate scheduler around the optimizer; with it, ``megatron.training.models.dist_utils._ddp_wrap``
-  returns buffer-less stand-ins for Megatron's DDP (:mod:`megatron_adacc.megatron_lm.adama`).
+* ``megatron.training.models.dist_utils._ddp_wrap`` and ``get_megatron_optimizer``, only when an enabled
+  feature declares the ``wrap_model`` / ``build_optimizer`` hooks (AdamA): the extensions' hooks choose the
+  model wrappers and the optimizer, before Megatron creates the learning-rate scheduler around it. The
+  extensions are then built at the first of these hooks, when the model's config exists.
 
 Wrapping these module globals instead of editing ``training.py`` keeps the upstream patch to one file:
 ``training.py`` is the most frequently changed file of Megatron-LM, while ``pretrain`` and ``train`` look
@@ -35,19 +35,12 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-from megatron_adacc.megatron_lm.features import (
-    ADACC,
-    ADAMA,
-    GACT,
-    RESIREDUCE,
-    Feature,
-    IntegrationError,
-    check_combination,
-    enabled_features,
-    load,
-)
+from megatron_adacc.core import features as core_features
+from megatron_adacc.core import patching
+from megatron_adacc.core.extension import TrainingContext
+from megatron_adacc.core.features import Feature, build_extensions
+from megatron_adacc.megatron_lm.features import check_combination, enabled_features
 
-_PATCHED = "__megatron_adacc_patched__"
 TRAINING_MODULE = "megatron.training.training"
 #: Where the model builder wraps chunks in DDP (replaced under ``--adama``).
 DIST_UTILS_MODULE = "megatron.training.models.dist_utils"
@@ -60,27 +53,6 @@ _SESSION: Session | None = None
 def current_session() -> Session | None:
     """The session :func:`configure` created for this process, or None (nothing enabled / not configured)."""
     return _SESSION
-
-
-# --------------------------------------------------------------------------------------------- policy
-
-
-def _is_policy_preset(value: str) -> bool:
-    from megatron_adacc.arguments import ADACC_POLICY_PRESETS
-
-    return value.replace("_", "-").lower() in ADACC_POLICY_PRESETS
-
-
-def _check_policy_argument(args: Any) -> None:
-    """Fail now, not after model construction, when ``--adacc-policy`` names a file that is not there."""
-    value = args.adacc_policy
-    if _is_policy_preset(value):
-        return
-    if not os.path.isfile(value):
-        raise FileNotFoundError(
-            f"--adacc-policy {value!r} is neither auto, a preset (keep, recompute, quantize-all) nor an "
-            "existing policy file; make one with `adacc solve`, or pass --adacc-policy auto"
-        )
 
 
 # -------------------------------------------------------------------------------------------- session
@@ -109,6 +81,7 @@ class Session:
         self.args = args
         self.features = features
         self.extensions: list[Any] = []
+        self._built: list[Any] | None = None
         self.attached = False
         # (forward_step_func, data_iterator, model) of the running train_step, for the gradient probe.
         self._step: tuple | None = None
@@ -118,42 +91,34 @@ class Session:
     def names(self) -> list[str]:
         return [f.name for f in self.features]
 
-    def enabled(self, feature: Feature) -> bool:
-        return feature in self.features
+    def enabled(self, feature: Feature | str) -> bool:
+        name = feature if isinstance(feature, str) else feature.name
+        return name in self.names
+
+    def needs(self, hook: str) -> bool:
+        """Whether an enabled feature declares the optional host hook ``hook``."""
+        return core_features.needs_hook(self.features, hook)
 
     def preflight(self) -> None:
-        """Import the entry points of the enabled features, so a missing one fails before Megatron starts."""
-        if self.enabled(ADACC):
-            _check_policy_argument(self.args)
-            load(ADACC, "megatron_adacc.adacc.integration", "build_extension")
-        if self.enabled(RESIREDUCE):
-            load(RESIREDUCE, "megatron_adacc.comm", "build_extension")
-        if self.enabled(GACT):
-            load(GACT, "megatron_adacc.gact", "build_extension")
-        if self.enabled(ADAMA):
-            load(ADAMA, "megatron_adacc.optim.megatron", "setup_adama")
-            try:
-                load(ADAMA, "megatron_adacc.optim.megatron", "check_supported")(self.args)
-            except IntegrationError:
-                raise
-            except ValueError as exc:  # AdamA's own checks; one error type for every refused command line
-                raise IntegrationError(f"megatron-adacc cannot run this command line:\n  - {exc}") from exc
+        """Each enabled feature's early checks, so a missing module or file fails before Megatron starts."""
+        for feature in self.features:
+            feature.preflight(self.args)
+
+    def build(self, config: Any) -> list[Any]:
+        """The enabled features' extensions, built once, at the first hook that has the model's config."""
+        if self._built is None:
+            self._built = [e for e in build_extensions(self.features, self.args, config) if e is not None]
+        return self._built
 
     # -- after model and optimizer exist
     def attach(self, model: list, optimizer: Any) -> list[Any]:
-        """Install the Adacc runtime and set up every extension; called once per run."""
+        """Set up every extension on the built model and optimizer; called once per run."""
         if self.attached:
             raise RuntimeError("megatron-adacc is already attached to a model in this process")
-        from megatron_adacc.core.extension import TrainingContext
-
         model = list(model) if isinstance(model, (list, tuple)) else [model]
         unwrapped = [_unwrap(chunk) for chunk in model]
         config = getattr(unwrapped[0], "config", None)
-
-        # One construction path for `adacc train` and Megatron-LM: the same builder, the same nesting order.
-        from megatron_adacc.training.features import build_extensions
-
-        extensions = [e for e in build_extensions(self.args, config) if e is not None]
+        extensions = self.build(config)
         ctx = TrainingContext(args=self.args, config=config, model=unwrapped, ddp_model=model,
                               optimizer=optimizer, forward_backward=self.probe_forward_backward)
         for extension in extensions:
@@ -232,124 +197,112 @@ def _print_rank0(message: str) -> None:
 # ------------------------------------------------------------------------------ training.py wrappers
 
 
-def _target(training: ModuleType, name: str) -> Callable:
-    function = getattr(training, name, None)
-    if function is None:
-        version = getattr(importlib.import_module("megatron.core"), "__version__", "unknown") \
-            if training.__name__ == TRAINING_MODULE else "unknown"
-        raise RuntimeError(
-            f"{training.__name__}.{name} does not exist in this Megatron-LM (megatron-core {version}); "
-            "megatron-adacc's Megatron-LM integration supports the commits listed in docs/megatron-lm.md"
-        )
-    return function
+_WHY = "megatron-adacc's Megatron-LM integration supports the commits listed in docs/megatron-lm.md"
 
 
 def _patch_setup_model_and_optimizer(training: ModuleType) -> None:
-    original = _target(training, "setup_model_and_optimizer")
-    if getattr(original, _PATCHED, False):
-        return
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            session = current_session()
+            if session is not None and not session.attached:
+                session.attach(result[0], result[1])
+            return result
 
-    @functools.wraps(original)
-    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        session = current_session()
-        if session is not None and not session.attached:
-            model, optimizer = result[0], result[1]
-            session.attach(model, optimizer)
-        return result
+        return setup_model_and_optimizer
 
-    setattr(setup_model_and_optimizer, _PATCHED, True)
-    training.setup_model_and_optimizer = setup_model_and_optimizer
+    patching.patch(training, "setup_model_and_optimizer", make, _WHY)
 
 
 def _patch_train_step(training: ModuleType) -> None:
-    original = _target(training, "train_step")
-    if getattr(original, _PATCHED, False):
-        return
-    signature = inspect.signature(original)
-    if "iteration" not in signature.parameters or "forward_step_func" not in signature.parameters:
-        raise RuntimeError(f"{training.__name__}.train_step{signature} has no forward_step_func / iteration "
-                           "parameter; this Megatron-LM is not one megatron-adacc supports")
+    def make(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+        if "iteration" not in signature.parameters or "forward_step_func" not in signature.parameters:
+            raise RuntimeError(f"{training.__name__}.train_step{signature} has no forward_step_func / iteration "
+                               "parameter; this Megatron-LM is not one megatron-adacc supports")
 
-    @functools.wraps(original)
-    def train_step(*args: Any, **kwargs: Any) -> Any:
-        session = current_session()
-        if session is None or not session.extensions:
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        step = (bound.arguments.get("iteration") or 0) + 1  # Megatron passes the 0-based count of done steps
-        forward_step_func = bound.arguments["forward_step_func"]
-        session._step = (forward_step_func, bound.arguments.get("data_iterator"), bound.arguments.get("model"))
-        try:
-            bound.arguments["forward_step_func"] = session.wrap_forward_step(forward_step_func)
-            session.on_step_begin(step)
-            result = original(*bound.args, **bound.kwargs)
-            session.on_step_end(step, _loss_of(result))
-        finally:
-            session._step = None
-        return result
+        @functools.wraps(original)
+        def train_step(*args: Any, **kwargs: Any) -> Any:
+            session = current_session()
+            if session is None or not session.extensions:
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            step = (bound.arguments.get("iteration") or 0) + 1  # Megatron passes the 0-based count of done steps
+            forward_step_func = bound.arguments["forward_step_func"]
+            session._step = (forward_step_func, bound.arguments.get("data_iterator"), bound.arguments.get("model"))
+            try:
+                bound.arguments["forward_step_func"] = session.wrap_forward_step(forward_step_func)
+                session.on_step_begin(step)
+                result = original(*bound.args, **bound.kwargs)
+                session.on_step_end(step, _loss_of(result))
+            finally:
+                session._step = None
+            return result
 
-    setattr(train_step, _PATCHED, True)
-    training.train_step = train_step
+        return train_step
+
+    patching.patch(training, "train_step", make, _WHY)
 
 
 def _patch_get_megatron_optimizer(training: ModuleType) -> None:
-    original = _target(training, "get_megatron_optimizer")
-    if getattr(original, _PATCHED, False):
-        return
+    """The extensions' ``build_optimizer`` hooks choose the optimizer (AdamA instead of Megatron's)."""
 
-    @functools.wraps(original)
-    def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
-        session = current_session()
-        if session is None or not session.enabled(ADAMA):
-            return original(config, model_chunks, *args, **kwargs)
-        from megatron_adacc.megatron_lm.adama import build_optimizer
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
+            session = current_session()
+            if session is None or not session.needs("build_optimizer"):
+                return original(config, model_chunks, *args, **kwargs)
+            extensions = session.build(_unwrap(model_chunks[0]).config)
+            return core_features.build_optimizer(
+                extensions, model_chunks, lambda chunks: original(config, chunks, *args, **kwargs))
 
-        return build_optimizer(session.args, model_chunks)
+        return get_megatron_optimizer
 
-    setattr(get_megatron_optimizer, _PATCHED, True)
-    training.get_megatron_optimizer = get_megatron_optimizer
+    patching.patch(training, "get_megatron_optimizer", make, _WHY)
 
 
 def _patch_ddp_wrap(dist_utils: ModuleType) -> None:
-    """Under ``--adama``, the model builder gets :class:`~megatron_adacc.megatron_lm.adama.AdamAChunk`
-    wrappers instead of Megatron's DDP, whose gradient buffer AdamA exists to remove."""
-    original = _target(dist_utils, "_ddp_wrap")
-    if getattr(original, _PATCHED, False):
-        return
+    """The extensions' ``wrap_model`` hooks choose the model chunks' wrappers (AdamA's buffer-less stand-ins
+    instead of Megatron's DDP, whose gradient buffer AdamA exists to remove)."""
 
-    @functools.wraps(original)
-    def _ddp_wrap(model: list, data_parallel_random_init: bool, ddp_config: Any, *args: Any, **kwargs: Any) -> Any:
-        session = current_session()
-        if session is None or not session.enabled(ADAMA):
-            return original(model, data_parallel_random_init, ddp_config, *args, **kwargs)
-        from megatron_adacc.megatron_lm.adama import wrap_model_chunks
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def _ddp_wrap(model: list, data_parallel_random_init: bool, ddp_config: Any, *args: Any, **kwargs: Any):
+            session = current_session()
+            if session is None or not session.needs("wrap_model"):
+                return original(model, data_parallel_random_init, ddp_config, *args, **kwargs)
+            extensions = session.build(_unwrap(model[0]).config)
+            return core_features.wrap_model(
+                extensions, model,
+                lambda chunks: original(chunks, data_parallel_random_init, ddp_config, *args, **kwargs),
+                ddp_config)
 
-        return wrap_model_chunks(model, ddp_config)
+        return _ddp_wrap
 
-    setattr(_ddp_wrap, _PATCHED, True)
-    dist_utils._ddp_wrap = _ddp_wrap
+    patching.patch(dist_utils, "_ddp_wrap", make, _WHY)
 
 
 def install_training_hooks(training: ModuleType, features: Iterable[Feature],
                            dist_utils: ModuleType | None = None) -> None:
     """Wrap the ``training.py`` functions the enabled ``features`` need (idempotent)."""
+    features = list(features)
     _patch_setup_model_and_optimizer(training)
     _patch_train_step(training)
-    if ADAMA in list(features):
+    if core_features.needs_hook(features, "build_optimizer"):
         _patch_get_megatron_optimizer(training)
+    if core_features.needs_hook(features, "wrap_model"):
         _patch_ddp_wrap(dist_utils or importlib.import_module(DIST_UTILS_MODULE))
 
 
 def uninstall_training_hooks(training: ModuleType, dist_utils: ModuleType | None = None) -> None:
     """Put back the original functions (tests; a second run in the same process)."""
-    targets = [(training, name) for name in HOOKED_FUNCTIONS]
-    if dist_utils is not None:
-        targets.append((dist_utils, "_ddp_wrap"))
-    for module, name in targets:
-        function = getattr(module, name, None)
-        if function is not None and getattr(function, _PATCHED, False):
-            setattr(module, name, function.__wrapped__)
+    for name in HOOKED_FUNCTIONS:
+        if hasattr(training, name):
+            patching.unpatch(training, name)
+    if dist_utils is not None and hasattr(dist_utils, "_ddp_wrap"):
+        patching.unpatch(dist_utils, "_ddp_wrap")
 
 
 # ----------------------------------------------------------------------------------------- public API

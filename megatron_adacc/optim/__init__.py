@@ -1,7 +1,11 @@
-"""AdamA (Adam accumulation, seed 004): a plain torch optimizer, its data-parallel state sync, and the
-Megatron wiring used by ``adacc train --adama`` (:mod:`megatron_adacc.optim.megatron`)."""
+"""AdamA (Adam accumulation, seed 004): a plain torch optimizer (:mod:`.adama`), its data-parallel state sync,
+the Megatron wiring (:mod:`.megatron`, :mod:`.chunks`) and its training extension (:mod:`.extension`).
 
-from megatron_adacc.optim.adama import AdamA
-from megatron_adacc.optim.meter import LiveGradientMeter
+Names are imported on first use (:mod:`megatron_adacc.core.lazy`), so the feature's registry entry
+(:mod:`.feature`) is cheap to import."""
+
+from megatron_adacc.core.lazy import exports
 
 __all__ = ["AdamA", "LiveGradientMeter"]
+__getattr__ = exports(__name__, {"AdamA": "megatron_adacc.optim.adama",
+                                 "LiveGradientMeter": "megatron_adacc.optim.meter"})

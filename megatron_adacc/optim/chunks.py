@@ -1,4 +1,4 @@
-"""``pretrain_gpt.py --adama``: AdamA in Megatron-LM's own training loop.
+"""AdamA in a Megatron training loop (``adacc train --adama`` and ``pretrain_gpt.py --adama``).
 
 AdamA saves memory only if Megatron's ``DistributedDataParallel`` never allocates its persistent gradient
 buffer, and :func:`megatron_adacc.optim.megatron.setup_adama` refuses DDP-wrapped chunks for that reason. But
@@ -18,7 +18,7 @@ import contextlib
 from typing import Any
 
 import torch
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -28,7 +28,8 @@ class AdamAChunk(DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, ddp_config: Any, config: Any) -> None:
         MegatronModule.__init__(self, config=config)  # not DDP.__init__: that allocates the gradient buffer
         self.module = module
-        self.ddp_config = ddp_config
+        # Megatron-LM's loop reads flags of the DDP config; a host without one gets DDP's defaults.
+        self.ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
         self.force_all_reduce = False
         self.bucket_groups: list = []
         self.expert_parallel_bucket_groups: list = []
@@ -68,8 +69,8 @@ class AdamAChunk(DistributedDataParallel):
         )
 
 
-def wrap_model_chunks(model_chunks: list[torch.nn.Module], ddp_config: Any) -> list[AdamAChunk]:
-    """What Megatron's ``_ddp_wrap`` returns under ``--adama``."""
+def wrap_model_chunks(model_chunks: list[torch.nn.Module], ddp_config: Any = None) -> list[AdamAChunk]:
+    """What the hosts train under ``--adama`` instead of Megatron's DDP wrappers."""
     return [AdamAChunk(chunk, ddp_config, chunk.config) for chunk in model_chunks]
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.optim.adama import AdamA
 
 __all__ = ["MegatronAdamA", "adama_param_groups", "check_supported", "num_microbatches", "setup_adama"]
@@ -149,39 +150,40 @@ def num_microbatches(args: Any, dp_size: int) -> int:
 
 
 def check_supported(args: Any, config: Any = None) -> None:
-    """Raise :class:`ValueError` naming the flag to change for any combination AdamA cannot honour."""
+    """Raise :class:`~megatron_adacc.core.errors.IntegrationError` (a ``ValueError``) naming the flag to change
+    for any combination AdamA cannot honour."""
     clip = _arg(args, "clip_grad", 0.0)
     if clip and clip > 0:
-        raise ValueError(
+        raise IntegrationError(
             f"--adama cannot clip by the global gradient norm (--clip-grad {clip}): the mini-batch gradient "
             "is never materialised (each micro-batch gradient is folded into Adam's moments and freed during "
             "backward). Pass --clip-grad 0; to bound outliers, clip each parameter's micro-batch gradient "
             "instead (args.adama_clip_grad_per_tensor / AdamA(clip_grad_per_tensor=...))."
         )
     if _arg(args, "fp16", False) or (config is not None and getattr(config, "fp16", False)):
-        raise ValueError(
+        raise IntegrationError(
             "--adama does not support --fp16: dynamic loss scaling skips steps whose gradients overflow, but "
             "AdamA has already folded them into m and v when the overflow is found. Use --bf16."
         )
     for flag, attr in (("--use-distributed-optimizer", "use_distributed_optimizer"),
                        ("--overlap-grad-reduce", "overlap_grad_reduce")):
         if _arg(args, attr, False):
-            raise ValueError(
+            raise IntegrationError(
                 f"--adama replaces Megatron's DDP gradient buffer, so {flag} (a mode of that buffer) has no "
                 f"meaning with it; drop {flag}. AdamA all-reduces m and v once per mini-batch instead."
             )
     if config is not None:
         if getattr(config, "pipeline_model_parallel_size", 1) > 1:
-            raise ValueError("--adama supports pipeline-model-parallel size 1 only (tied embedding gradients "
+            raise IntegrationError("--adama supports pipeline-model-parallel size 1 only (tied embedding gradients "
                              "would need Megatron's cross-stage reduction before folding).")
         if getattr(config, "sequence_parallel", False):
-            raise ValueError("--adama does not support --sequence-parallel (layer-norm gradients need "
+            raise IntegrationError("--adama does not support --sequence-parallel (layer-norm gradients need "
                              "Megatron's tensor-parallel all-reduce before they are final).")
         if getattr(config, "num_moe_experts", None):
-            raise ValueError("--adama does not support MoE models (expert gradients reduce over the expert "
+            raise IntegrationError("--adama does not support MoE models (expert gradients reduce over the expert "
                              "data-parallel group).")
         if getattr(config, "gradient_accumulation_fusion", False):
-            raise ValueError("--adama needs gradient_accumulation_fusion off "
+            raise IntegrationError("--adama needs gradient_accumulation_fusion off "
                              "(--no-gradient-accumulation-fusion): the fused wgrad GEMM writes into "
                              "Megatron DDP's main_grad buffer, which AdamA does not allocate.")
 

@@ -1,5 +1,2 @@
-"""`adacc train`: megatron-core GPT training on the embedded corpus, with every feature behind a flag."""
-
-from megatron_adacc.core.extension import TrainingContext, TrainingExtension
-
-__all__ = ["TrainingContext", "TrainingExtension"]
+"""`adacc train`: megatron-core GPT training on a text corpus, every feature behind its flag (the registry,
+:mod:`megatron_adacc.features`); the extension protocol it drives is :mod:`megatron_adacc.core.extension`."""

@@ -12,23 +12,30 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
+from megatron_adacc import features
+from megatron_adacc.core import features as core_features
+from megatron_adacc.core.errors import InputNotFound, IntegrationError
 from megatron_adacc.core.extension import TrainingContext
+from megatron_adacc.core.saved import SavedTensorMeter
+from megatron_adacc.core.units import format_bytes
 from megatron_adacc.training import distributed
 from megatron_adacc.training import model as model_lib
 from megatron_adacc.training.data import BatchSampler
-from megatron_adacc.training.features import build_extensions, check_flag_combinations
-from megatron_adacc.training.memory import SavedTensorMeter, format_bytes, peak_memory_bytes, reset_peak_memory
+from megatron_adacc.training.memory import peak_memory_bytes, reset_peak_memory
 
 
 def num_microbatches(args: SimpleNamespace, world: int) -> int:
     per_step = args.micro_batch_size * world
     if args.global_batch_size % per_step:
-        raise SystemExit(
+        raise IntegrationError(
             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {world}."
         )
@@ -48,93 +55,127 @@ def _progress(iterable, enabled: bool, total: int):
     return tqdm(iterable, total=total, unit="it", dynamic_ncols=True, desc="train")
 
 
-def train(args: SimpleNamespace, return_model: bool = False):
-    """Run the training job described by ``args`` and return its summary (also written to --output-json).
+@dataclass
+class _Run:
+    """What one `adacc train` run is made of, once set up."""
 
-    With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
-    """
-    check_flag_combinations(args)
+    args: SimpleNamespace
+    device: torch.device
+    rank: int
+    world: int
+    n_micro: int
+    extensions: list
+    model: torch.nn.Module
+    ddp: torch.nn.Module
+    optimizer: Any
+    sampler: BatchSampler
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+
+def _set_up(args: SimpleNamespace) -> _Run:
+    """Check the command line, then build the extensions, the model, its wrapper and optimizer (through the
+    extensions' hooks), and set the extensions up. The order is fixed: it decides the random streams."""
+    enabled = features.enabled(args)
+    core_features.check(enabled, args)
     model_lib.check_supported(args)
     device = distributed.resolve_device(args.device)
     rank, world = distributed.initialize(device, args.seed)
     n_micro = num_microbatches(args, world)
     config = model_lib.transformer_config(args, device)
-    extensions = build_extensions(args, config)
+    extensions = core_features.build_extensions(enabled, args, config)
 
     model = model_lib.build_gpt(args, config).to(device)
-    if args.adama:
-        from megatron_adacc.optim.megatron import setup_adama
-
-        chunks, optimizer = setup_adama(args, [model], config)
-        ddp = chunks[0]
-    else:
-        ddp = model_lib.wrap_ddp(args, config, model)
-        optimizer = model_lib.build_optimizer(args, ddp)
-    params = [p for p in model.parameters()]
-
+    ddp = core_features.wrap_model(extensions, [model], lambda chunks: [model_lib.wrap_ddp(args, config, c)
+                                                                         for c in chunks])[0]
+    optimizer = core_features.build_optimizer(extensions, [ddp],
+                                              lambda chunks: model_lib.build_optimizer(args, chunks[0]))
     corpus = getattr(args, "corpus", "embedded")
     sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank, corpus=corpus)
-    probe_batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=rank,
-                                 corpus=corpus)
+    run = _Run(args, device, rank, world, n_micro, extensions, model, ddp, optimizer, sampler)
+    ctx = TrainingContext(args=args, config=config, model=[model], ddp_model=[ddp], optimizer=optimizer,
+                          forward_backward=_gradient_probe(run))
+    for ext in extensions:
+        ext.setup(ctx)
+    return run
 
-    probe_batch = []
+
+def _gradient_probe(run: _Run) -> Callable[[], float]:
+    """``TrainingContext.forward_backward``: one forward and backward of a fixed held-out batch.
+
+    One batch, replayed: GACT's sensitivity probe (Algorithm 1) compares gradient evaluations that must differ
+    only in one compressor's seed."""
+    args = run.args
+    batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=run.rank,
+                           corpus=getattr(args, "corpus", "embedded"))
+    held_out = []
 
     def forward_backward() -> float:
-        # One fixed held-out batch: GACT's sensitivity probe (Algorithm 1) compares gradient evaluations that
-        # must differ only in one compressor's seed, so every call has to replay the same batch.
-        if not probe_batch:
-            probe_batch.append(next(probe_batches).to(device))
-        loss = _forward_loss(ddp, probe_batch[0])
+        if not held_out:
+            held_out.append(next(batches).to(run.device))
+        loss = _forward_loss(run.ddp, held_out[0])
         loss.backward()
         return loss.item()
 
-    ctx = TrainingContext(args=args, config=config, model=[model], ddp_model=[ddp], optimizer=optimizer,
-                          forward_backward=forward_backward)
-    for ext in extensions:
-        ext.setup(ctx)
+    return forward_backward
 
-    start_iter = 0
-    if args.load:
-        start_iter = _load_checkpoint(args.load, rank, model, optimizer, sampler, extensions)
 
-    is_main = rank == 0
+def _train_step(run: _Run, iteration: int, saved_bytes: list[int]) -> tuple[float, bool]:
+    """One optimizer step over ``n_micro`` micro-batches; returns the mean loss and whether the step ran.
+    Appends the bytes the first micro-batch saved for backward to ``saved_bytes``."""
+    args, ddp, optimizer, n_micro = run.args, run.ddp, run.optimizer, run.n_micro
+    for ext in run.extensions:
+        ext.on_step_begin(iteration)
+    for group in optimizer.param_groups:
+        group["lr"] = model_lib.lr_at(args, iteration)
+    if hasattr(ddp, "zero_grad_buffer"):
+        ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    step_loss = torch.zeros((), device=run.device)
+    params = run.params
+    for micro in range(n_micro):
+        batch = next(run.sampler).to(run.device)
+        sync = ddp.no_sync() if micro < n_micro - 1 and hasattr(ddp, "no_sync") else contextlib.nullcontext()
+        with sync, contextlib.ExitStack() as stack:
+            meter = stack.enter_context(SavedTensorMeter(params))
+            for ext in run.extensions:
+                stack.enter_context(ext.microbatch_context())
+            loss = _forward_loss(ddp, batch)
+            if micro == 0:
+                saved_bytes.append(meter.nbytes)
+            (loss / n_micro).backward()
+        step_loss += loss.detach() / n_micro
+    if hasattr(ddp, "finish_grad_sync"):
+        ddp.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    if run.world > 1:
+        torch.distributed.all_reduce(step_loss)
+        step_loss /= run.world
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    return step_loss.item(), ok
+
+
+def train(args: SimpleNamespace, return_model: bool = False):
+    """Run the training job described by ``args`` and return its summary (also written to --output-json).
+
+    With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
+    """
+    run = _set_up(args)
+    model, optimizer, sampler, extensions = run.model, run.optimizer, run.sampler, run.extensions
+    start_iter = _load_checkpoint(args.load, run.rank, model, optimizer, sampler, extensions) if args.load else 0
+
+    is_main = run.rank == 0
     show_progress = is_main and not args.no_progress
     losses, step_times, saved_bytes = [], [], []
-    reset_peak_memory(device)
-    bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress,
-                    args.train_iters - start_iter)
+    reset_peak_memory(run.device)
+    bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress, args.train_iters - start_iter)
     for iteration in bar:
         t0 = time.perf_counter()
-        for ext in extensions:
-            ext.on_step_begin(iteration)
-        for group in optimizer.param_groups:
-            group["lr"] = model_lib.lr_at(args, iteration)
-        if hasattr(ddp, "zero_grad_buffer"):
-            ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        step_loss = torch.zeros((), device=device)
-        for micro in range(n_micro):
-            batch = next(sampler).to(device)
-            sync = ddp.no_sync() if micro < n_micro - 1 and hasattr(ddp, "no_sync") else contextlib.nullcontext()
-            with sync, contextlib.ExitStack() as stack:
-                meter = stack.enter_context(SavedTensorMeter(params))
-                for ext in extensions:
-                    stack.enter_context(ext.microbatch_context())
-                loss = _forward_loss(ddp, batch)
-                if micro == 0:
-                    saved_bytes.append(meter.nbytes)
-                (loss / n_micro).backward()
-            step_loss += loss.detach() / n_micro
-        if hasattr(ddp, "finish_grad_sync"):
-            ddp.finish_grad_sync()
-        ok, grad_norm, _ = optimizer.step()
-        if world > 1:
-            torch.distributed.all_reduce(step_loss)
-            step_loss /= world
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        loss_value, ok = _train_step(run, iteration, saved_bytes)
         dt = time.perf_counter() - t0
-        loss_value = step_loss.item()
         losses.append(loss_value)
         step_times.append(dt)
         for ext in extensions:
@@ -145,13 +186,13 @@ def train(args: SimpleNamespace, return_model: bool = False):
         if not ok and is_main:
             print(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            _save_checkpoint(args.save, rank, iteration, model, optimizer, sampler, extensions)
+            _save_checkpoint(args.save, run.rank, iteration, model, optimizer, sampler, extensions)
     if args.save:
-        _save_checkpoint(args.save, rank, args.train_iters, model, optimizer, sampler, extensions)
+        _save_checkpoint(args.save, run.rank, args.train_iters, model, optimizer, sampler, extensions)
 
-    summary = _summary(args, device, world, n_micro, losses, step_times, saved_bytes, extensions)
+    summary = _summary(args, run.device, run.world, run.n_micro, losses, step_times, saved_bytes, extensions)
     if args.eval_iters:
-        summary["valid_loss"] = evaluate(ddp, args, device, rank, world)
+        summary["valid_loss"] = evaluate(run.ddp, args, run.device, run.rank, run.world)
     if is_main:
         _print_summary(summary)
         if args.output_json:
@@ -246,7 +287,7 @@ def _save_checkpoint(directory, rank, iteration, model, optimizer, sampler, exte
 def _load_checkpoint(directory, rank, model, optimizer, sampler, extensions) -> int:
     path = _checkpoint_path(directory, rank)
     if not path.exists():
-        raise SystemExit(f"--load {directory}: no checkpoint {path.name} for rank {rank} there")
+        raise InputNotFound(f"--load {directory}: no checkpoint {path.name} for rank {rank} there")
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

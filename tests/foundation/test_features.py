@@ -3,6 +3,7 @@
 import pytest
 
 from megatron_adacc.adacc.policy.strategies.base import InfeasibleBudgetError
+from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.training.args import parse_train_args
 from megatron_adacc.training.loop import train
 
@@ -35,6 +36,6 @@ def test_infeasible_budget_names_the_smallest_feasible_one():
 
 
 def test_adacc_and_megatron_recompute_are_exclusive():
-    with pytest.raises(SystemExit, match="--recompute-granularity"):
+    with pytest.raises(AdaccError, match="--recompute-granularity"):
         train(parse_train_args(SMALL + ["--adacc-policy", "keep", "--recompute-granularity", "full",
                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]))

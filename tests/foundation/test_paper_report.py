@@ -10,6 +10,7 @@ import pytest
 
 from megatron_adacc.adacc.policy.strategies.base import InfeasibleBudgetError
 from megatron_adacc.bench import paper
+from megatron_adacc.core.errors import AdaccError
 
 
 def _args(tmp_path, **kw) -> SimpleNamespace:
@@ -80,12 +81,12 @@ def test_loss_differences_are_read_against_the_other_seed_and_a_vacuous_ablation
 
 
 def test_unknown_parts_are_refused_before_anything_runs(tmp_path) -> None:
-    with pytest.raises(SystemExit, match="unknown --parts"):
+    with pytest.raises(AdaccError, match="unknown --parts"):
         paper.run(_args(tmp_path, parts="fig5,fig9"))
 
 
 def test_a_partial_run_needs_a_recorded_result(tmp_path) -> None:
-    with pytest.raises(SystemExit, match="run every part"):
+    with pytest.raises(AdaccError, match="run every part"):
         paper.run(_args(tmp_path, parts="fig7"))
 
 

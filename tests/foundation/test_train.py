@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.training.args import add_train_args, parse_train_args
 from megatron_adacc.training.loop import train
 
@@ -49,24 +50,24 @@ def test_config_file_defaults_and_override():
 
 
 def test_unknown_config_is_refused():
-    with pytest.raises(SystemExit, match="no such file"):
+    with pytest.raises(AdaccError, match="no such file"):
         parse_train_args(["--config", "does-not-exist"])
 
 
 def test_bad_config_key_is_refused(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("num_layerz = 3\n")
-    with pytest.raises(SystemExit, match="num_layerz"):
+    with pytest.raises(AdaccError, match="num_layerz"):
         parse_train_args(["--config", str(bad)])
 
 
 def test_global_batch_must_divide():
-    with pytest.raises(SystemExit, match="not a multiple"):
+    with pytest.raises(AdaccError, match="not a multiple"):
         train(parse_train_args(SMALL + ["--global-batch-size", "6", "--train-iters", "1"]))
 
 
 def test_runaway_megatron_config_is_refused_up_front():
-    with pytest.raises(SystemExit, match="recurse without bound"):
+    with pytest.raises(AdaccError, match="recurse without bound"):
         train(parse_train_args(SMALL + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]))
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.distributed import DistributedDataParallel  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
-from megatron_adacc.megatron_lm.adama import AdamAChunk, MegatronLMAdamA, wrap_model_chunks  # noqa: E402
+from megatron_adacc.optim.chunks import AdamAChunk, MegatronLMAdamA, wrap_model_chunks  # noqa: E402
 
 
 def adama_args(**overrides):
@@ -92,7 +92,7 @@ def test_adama_refusals_name_the_flag(overrides, message):
 
 
 def test_build_optimizer_refuses_chunks_it_did_not_wrap():
-    from megatron_adacc.megatron_lm.adama import build_optimizer
+    from megatron_adacc.optim.chunks import build_optimizer
 
     with pytest.raises(TypeError, match="AdamAChunk"):
         build_optimizer(types.SimpleNamespace(), [torch.nn.Linear(2, 2)])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_adacc.megatron_lm import logs
+from megatron_adacc.bench import megatron_lm_logs as logs
 
 
 def iteration_line(i: int, ms: float, loss: float, batch: int = 16, tflops: float | None = None) -> str:

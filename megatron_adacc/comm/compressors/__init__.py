@@ -7,11 +7,11 @@ from megatron_adacc.comm.compressors.dgc import DGCCompressor
 from megatron_adacc.comm.compressors.none import NoneCompressor
 from megatron_adacc.comm.compressors.qsgd import QSGDCompressor
 from megatron_adacc.comm.compressors.topk import TopKCompressor
+from megatron_adacc.comm.options import COMPRESSORS, DEFAULTS
 
-COMPRESSORS = ("topk", "dgc", "qsgd", "none")
 
-
-def build_compressor(name: str, *, density: float = 0.01, qsgd_levels: int = 16, seed: int = 0) -> Compressor:
+def build_compressor(name: str, *, density: float = DEFAULTS.density, qsgd_levels: int = DEFAULTS.qsgd_levels,
+                     seed: int = 0) -> Compressor:
     """The compressor called ``name`` (``--grad-compressor``); ``seed`` should differ per rank."""
     if name == "topk":
         return TopKCompressor(density)

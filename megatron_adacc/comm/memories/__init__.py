@@ -11,11 +11,11 @@ from megatron_adacc.comm.memories.resireduce_a import ResiReduceA, uniform_weigh
 from megatron_adacc.comm.memories.resireduce_d import ResiReduceD, RowSelection
 from megatron_adacc.comm.memories.resireduce_w import ResiReduceW, significance_weights
 from megatron_adacc.comm.memories.resireduce_w2d import ResiReduceW2D
+from megatron_adacc.comm.options import DEFAULTS, SCHEMES
 
-SCHEMES = ("none", "residual", "a", "w", "d", "2d", "w+2d")
 
-
-def build_memory(scheme: str, *, group_size: int = 4, phi: float = 0.5, ratio: float = 0.5) -> Memory:
+def build_memory(scheme: str, *, group_size: int = DEFAULTS.group_size, phi: float = DEFAULTS.phi,
+                 ratio: float = DEFAULTS.ratio) -> Memory:
     """The memory of ``--resireduce SCHEME``."""
     if scheme == "none":
         return NoneMemory()

@@ -1,0 +1,35 @@
+"""Sizes as people write them (``12GiB``, ``800MB``) and as reports print them."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"12GiB"`` -> 12884901888; ``"500MB"`` -> 500000000; plain integers are bytes.
+
+    Raises ``argparse.ArgumentTypeError`` so it serves directly as a flag's ``type``."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size: write a number of bytes or use a unit, e.g. 12GiB, 800MB, 512MiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float | int | None, digits: int = 1) -> str:
+    """Binary units, ``digits`` decimals (whole bytes below 1 KiB); ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,37 @@
+"""The plugin registry: every feature megatron-adacc offers, one line each, in set-up order (outermost first).
+
+Both hosts iterate this tuple and nothing else: ``adacc train`` (:mod:`megatron_adacc.training`) and the
+Megatron-LM integration (:mod:`megatron_adacc.megatron_lm`). An entry is a
+:class:`~megatron_adacc.core.features.Feature`; docs/ARCHITECTURE.md shows how to add one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_adacc.adacc.feature import FEATURE as ADACC
+from megatron_adacc.comm.feature import FEATURE as RESIREDUCE
+from megatron_adacc.core import features as _features
+from megatron_adacc.core.features import Feature
+from megatron_adacc.gact.feature import FEATURE as GACT
+from megatron_adacc.optim.feature import FEATURE as ADAMA
+
+FEATURES: tuple[Feature, ...] = (ADACC, RESIREDUCE, GACT, ADAMA)
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every feature's flags (and only those); safe on Megatron-LM's parser, whose flags none of them shadow."""
+    for feature in FEATURES:
+        feature.add_args(parser)
+    return parser
+
+
+def enabled(args: Any) -> list[Feature]:
+    """The features ``args`` turns on, in set-up order."""
+    return _features.enabled(FEATURES, args)
+
+
+def flag_prefixes() -> tuple[str, ...]:
+    """The prefixes of every flag the features add."""
+    return tuple(prefix for feature in FEATURES for prefix in feature.flag_prefixes)

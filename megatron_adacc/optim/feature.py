@@ -1,0 +1,59 @@
+"""AdamA's entry in the plugin registry: ``--adama`` and its flags, what it refuses, what it builds."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_adacc.core.errors import IntegrationError
+from megatron_adacc.core.features import Feature, require
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("adama", "AdamA: Adam accumulation")
+    g.add_argument("--adama", action="store_true",
+                   help="Fold each micro-batch's gradients into Adam's moments during backward and free them "
+                        "(no persistent gradient buffer). Global --clip-grad cannot apply (the mini-batch gradient "
+                        "never exists); a --clip-grad that only comes from --config is turned off.")
+    g.add_argument("--adama-clip-grad-per-tensor", type=float, default=None, metavar="C",
+                   help="With --adama: clip each parameter's micro-batch gradient to norm C (default: no clipping).")
+
+
+def problems(args: Any) -> list[str]:
+    found = []
+    if getattr(args, "gradient_accumulation_fusion", False):
+        found.append("--adama needs each micro-batch's gradient in param.grad, but gradient accumulation fusion "
+                     "writes it straight into main_grad; add --no-gradient-accumulation-fusion")
+    if getattr(args, "calculate_per_token_loss", False):
+        found.append("--adama folds each micro-batch gradient as it is produced and cannot rescale it by the "
+                     "token count afterwards; drop --calculate-per-token-loss")
+    # adacc train has no --ckpt-format: its checkpoints are plain torch files.
+    checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
+    if checkpoints and getattr(args, "ckpt_format", "torch") != "torch":
+        found.append("--adama checkpoints its moments as a plain torch state dict; add --ckpt-format torch "
+                     "(Megatron's distributed checkpoint format is not implemented for AdamA)")
+    return found
+
+
+def preflight(args: Any) -> None:
+    """AdamA's own checks of the flags (clipping, fp16, the DDP buffer's modes), before the model is built."""
+    try:
+        require(FEATURE, "megatron_adacc.optim.megatron", "check_supported")(args)
+    except ValueError as exc:
+        if isinstance(exc, IntegrationError):
+            raise
+        raise IntegrationError(f"megatron-adacc cannot run this command line:\n  - {exc}") from exc
+
+
+def build_extensions(args: Any, config: Any) -> list:
+    return require(FEATURE, "megatron_adacc.optim.extension", "build_extensions")(args, config)
+
+
+FEATURE = Feature(
+    name="adama", flag="--adama", dest="adama", off=False,
+    add_args=add_args, build_extensions=build_extensions, problems=problems, preflight=preflight,
+    conflicts={"resireduce": "--adama folds gradients into Adam's moments during backward and all-reduces the "
+                             "moments, so there is no gradient left for --resireduce to compress; use one of them"},
+    hooks=frozenset({"wrap_model", "build_optimizer"}),
+    flag_prefixes=("--adama",),
+)
