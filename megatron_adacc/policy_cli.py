@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from megatron_adacc.adacc.policy.io import load_policy, save_policy
 from megatron_adacc.adacc.policy.ops import OP_NAMES
 from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy
@@ -20,11 +22,14 @@ from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, paper
+from megatron_adacc.arguments import parse_bytes
+from megatron_adacc.core.units import format_bytes
+from megatron_adacc.training import distributed
+from megatron_adacc.training import model as model_lib
+from megatron_adacc.training.args import add_train_args, parse_train_args
 
 
 def _fmt_bytes(n: float | None) -> str:
-    from megatron_adacc.core.units import format_bytes
-
     return format_bytes(n, digits=2)
 
 
@@ -34,8 +39,6 @@ def _fmt_ms(s: float | None) -> str:
 
 # ------------------------------------------------------------------------------------------ parsers
 def _model_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    from megatron_adacc.training.args import add_train_args
-
     return add_train_args(argparse.ArgumentParser(prog=prog, description=description))
 
 
@@ -46,8 +49,6 @@ def _add_profile_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_solve_flags(p: argparse.ArgumentParser) -> None:
-    from megatron_adacc.arguments import parse_bytes
-
     g = p.add_argument_group("adacc solve")
     g.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="Memory budget (e.g. 12GiB); same as --adacc-memory-budget.")
@@ -67,8 +68,6 @@ def _add_show_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> SimpleNamespace:
-    from megatron_adacc.training.args import parse_train_args
-
     return parse_train_args(argv, parser)
 
 
@@ -97,11 +96,6 @@ def main(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------ commands
 def _config(args: SimpleNamespace):
-    import torch
-
-    from megatron_adacc.training import distributed
-    from megatron_adacc.training import model as model_lib
-
     device = distributed.resolve_device(getattr(args, "device", "auto"))
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -109,8 +103,9 @@ def _config(args: SimpleNamespace):
 
 
 def cmd_profile(args: SimpleNamespace) -> int:
+    # The Megatron glue (integration, the runtime, megatron-core) is imported by the commands that use it, so
+    # that `adacc show` and `--help` do not load it.
     from megatron_adacc.adacc.integration.auto import get_or_make_profile
-    from megatron_adacc.training import distributed
 
     device, config = _config(args)
     distributed.initialize(device, getattr(args, "seed", 1234))
@@ -121,7 +116,7 @@ def cmd_profile(args: SimpleNamespace) -> int:
 
 
 def cmd_solve(args: SimpleNamespace) -> int:
-    from megatron_adacc.adacc.integration.profiler import device_memory_bytes
+    from megatron_adacc.adacc.integration.profiler import device_memory_bytes  # lazy: see cmd_profile
 
     device, config = _config(args)
     budget = args.budget or getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
@@ -130,7 +125,6 @@ def cmd_solve(args: SimpleNamespace) -> int:
         profile, ref = analytic_profile(model_signature(config, args)), None
     else:
         from megatron_adacc.adacc.integration.auto import get_or_make_profile
-        from megatron_adacc.training import distributed
 
         distributed.initialize(device, getattr(args, "seed", 1234))
         profile, ref = get_or_make_profile(args, config, log=lambda m: print(m, file=sys.stderr))

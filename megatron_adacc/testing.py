@@ -1,7 +1,9 @@
 """Helpers for tests that run real megatron-core on the CPU.
 
 Nothing here stubs Megatron: ``build_tiny_gpt`` builds megatron-core's own ``GPTModel`` (local layer spec)
-after the CPU compatibility layer is installed.
+after the CPU compatibility layer is installed. megatron-core is imported inside the functions: tests/conftest.py
+imports this module (for :func:`memory_cap`) before ``quiet_fallback_warnings()``, and tests that run no Megatron
+should not load it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from megatron_adacc.training.data import VOCAB_SIZE
-from megatron_adacc.training.distributed import free_port
+from megatron_adacc.compat import quiet_fallback_warnings
+from megatron_adacc.training.data import VOCAB_SIZE, BatchSampler
+from megatron_adacc.training.distributed import free_port, initialize, set_seed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,11 +59,8 @@ def memory_cap(gib: float):
 
 def init_distributed_single(seed: int = 1234) -> None:
     """A world of one over gloo, megatron's parallel state, CPU layer, and seeded RNG tracker (idempotent)."""
-    from megatron_adacc.compat import quiet_fallback_warnings
-    from megatron_adacc.training import distributed
-
     quiet_fallback_warnings()
-    distributed.initialize(torch.device("cpu"), seed)
+    initialize(torch.device("cpu"), seed)
 
 
 def tiny_config(**overrides):
@@ -74,8 +75,6 @@ def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, **config_overrides) -
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_adacc.training.distributed import set_seed
-
     init_distributed_single(seed)
     set_seed(seed)
     return GPTModel(
@@ -88,16 +87,12 @@ def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, **config_overrides) -
 
 def tiny_batch(batch_size: int = 2, seq_length: int = 32, seed: int = 0):
     """A deterministic batch from the embedded corpus: (tokens, position_ids, attention_mask, labels)."""
-    from megatron_adacc.training.data import BatchSampler
-
     b = next(BatchSampler(seq_length, batch_size, seed))
     return b.tokens, b.position_ids, b.attention_mask, b.labels
 
 
 def loss_and_grads(model: torch.nn.Module, batch, rng_seed: int = 7) -> tuple[torch.Tensor, dict]:
     """One forward and backward from a fixed RNG state; returns the loss and a name -> grad copy map."""
-    from megatron_adacc.training.distributed import set_seed
-
     set_seed(rng_seed)
     model.zero_grad(set_to_none=True)
     tokens, position_ids, mask, labels = batch
@@ -109,8 +104,6 @@ def loss_and_grads(model: torch.nn.Module, batch, rng_seed: int = 7) -> tuple[to
 
 def grad_rel_error(grads: dict, ref: dict) -> float:
     """Global relative gradient error ``||g - g_ref|| / ||g_ref||`` over every parameter in ``ref``."""
-    import torch
-
     diff = torch.cat([(grads[n] - ref[n]).flatten() for n in ref])
     return (diff.norm() / torch.cat([ref[n].flatten() for n in ref]).norm()).item()
 
@@ -143,11 +136,6 @@ def exit_torchrun_worker(code: int = 0) -> None:
     """End a torchrun test worker after its results are printed: every rank meets at a barrier (none tears
     gloo down while another still talks to it), then the process leaves without interpreter teardown, where
     a joinable C++ thread left by DDP's reducer makes static destruction call std::terminate (SIGABRT)."""
-    import os
-    import sys
-
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_adacc.codecs import reference
 from megatron_adacc.codecs._backend import backend
 from megatron_adacc.codecs.base import FLOAT_DTYPES, TINY_SCALE, Codec, NonFiniteInputError, Packed
-from megatron_adacc.codecs.registry import CODECS
+from megatron_adacc.codecs.registry import CODECS, build
 
 
 def get_codec(name: str, **params: Any) -> Codec:
@@ -28,8 +28,6 @@ def get_codec(name: str, **params: Any) -> Codec:
     * ``"int4_outlier"``: ``z_threshold=3.0``
     * ``"stochastic"``: ``bits`` in {1, 2, 4, 8} (default 4), ``group_size=256``
     """
-    from megatron_adacc.codecs.registry import build
-
     return build(name, **params)
 
 

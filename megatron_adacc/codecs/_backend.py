@@ -21,7 +21,7 @@ _REQUIRE_ENV = "ADACC_REQUIRE_EXT"
 
 
 def _load_extension() -> ModuleType | None:
-    try:
+    try:  # the compiled extension is optional: without it the codecs run on the reference
         from megatron_adacc import _C  # type: ignore[attr-defined]
     except ImportError as exc:
         if os.environ.get(_REQUIRE_ENV, "") not in ("", "0"):

@@ -26,6 +26,7 @@ from megatron_adacc.codecs.base import (
     packed_group_bytes,
     rows_cols,
 )
+from megatron_adacc.codecs.reference import select_outlier_channels
 
 
 def raise_if_bad(codec: str, bad: torch.Tensor) -> None:
@@ -188,8 +189,6 @@ class Int4OutlierCodec(Codec):
         return rows * -(-cols // 2) + 4 * rows + rows * k * _itemsize(dtype) + 4 * k
 
     def compress(self, x: torch.Tensor) -> Packed:
-        from megatron_adacc.codecs.reference import select_outlier_channels
-
         check_float_input(self.name, x)
         x = x.detach()
         rows, cols = rows_cols(x.shape)

@@ -1,5 +1,7 @@
 """Compatibility with the megatron-core releases we support, and with CPU-only machines."""
 
+import warnings
+
 from megatron_adacc.compat.versions import (
     SUPPORTED_LINES,
     UnsupportedMegatronVersion,
@@ -23,8 +25,6 @@ def quiet_fallback_warnings() -> None:
     They are expected on CPU machines and in our GPU image alike, and they drown the progress bar. Real
     warnings (anything else megatron says) stay visible.
     """
-    import warnings
-
     for pattern in (r".*are not installed\. Falling back.*", r".*is not installed\. Falling back.*",
                     r"full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)

@@ -21,6 +21,7 @@ import importlib
 import logging
 import types
 
+import megatron.core
 import torch
 
 from megatron_adacc.compat.versions import megatron_line
@@ -168,6 +169,7 @@ def _patch_rng_tracker() -> None:
     is left alone. On the CPU both are the same generator, so ``fork()`` swaps the CPU state itself, and the
     "CPU RNG state changed within GPU RNG context" check of the original would always fire.
     """
+    # megatron-core's internals are imported here, once apply() has checked the release line.
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(device="cuda", clone=False, graph_safe=False):
@@ -215,7 +217,7 @@ def _patch_rng_tracker() -> None:
 def _patch_checkpoint_without_output() -> None:
     """``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not None`` (True), which takes a
     transformer-engine-only path. Without transformer-engine there is no FP8, so force it off."""
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # after apply()'s release-line check
 
     if getattr(mrandom, "HAVE_TE", False):
         return
@@ -232,7 +234,7 @@ def _patch_checkpoint_without_output() -> None:
 
 def _patch_clip_grads() -> None:
     """megatron's clip asserts ``grad.type() == 'torch.cuda.FloatTensor'``; the math is a plain scale."""
-    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer import clip_grads, optimizer  # after apply()'s release-line check
 
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
         if isinstance(parameters, torch.Tensor):
@@ -271,7 +273,7 @@ def _cuda_type_names():
 
 
 def _patch_optimizer_type_checks() -> None:
-    from megatron.core.optimizer import distrib_optimizer, optimizer
+    from megatron.core.optimizer import distrib_optimizer, optimizer  # after apply()'s release-line check
 
     def make(fn):
         def wrapper(*args, **kwargs):
@@ -287,8 +289,6 @@ def _patch_optimizer_type_checks() -> None:
 
 def is_applied() -> bool:
     """Whether :func:`apply` has run in this process."""
-    import megatron.core
-
     return bool(getattr(megatron.core, _APPLIED_FLAG, False))
 
 
@@ -305,8 +305,6 @@ def apply() -> None:
             "runs unmodified on the GPU. Use --device cuda (or hide the GPUs with CUDA_VISIBLE_DEVICES='' "
             "to train on the CPU on purpose)."
         )
-    import megatron.core
-
     if getattr(megatron.core, _APPLIED_FLAG, False):
         return
     line = megatron_line()

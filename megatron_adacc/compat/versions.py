@@ -31,7 +31,7 @@ class UnsupportedMegatronVersion(AdaccError, RuntimeError):
 @lru_cache(maxsize=1)
 def megatron_version() -> str:
     """The installed megatron-core version string, e.g. ``"0.16.1"``."""
-    try:
+    try:  # here, not at the top: compat is imported to quiet megatron-core's warnings before it loads
         import megatron.core
     except ImportError as exc:  # pragma: no cover - the dependency is declared
         raise UnsupportedMegatronVersion(

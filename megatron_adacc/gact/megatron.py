@@ -22,6 +22,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_adacc.core.patching import is_patched, mark, patch
 
@@ -75,8 +78,6 @@ def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None, 
     """Drop-in for ``DotProductAttention.forward`` (sbhd layout in, ``[sq, b, hp]`` out)."""
     if packed_seq_params is not None or attention_bias is not None:
         raise ValueError("GACT CB2 attention does not support packed sequences or attention bias")
-    from megatron.core.transformer.enums import AttnMaskType
-
     sq, b, np_, hn = query.shape
     sk, ng = key.shape[0], key.shape[2]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
@@ -91,8 +92,6 @@ def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None, 
         kwargs["attn_mask"] = ~attention_mask  # SDPA keeps True positions
     p = self.attention_dropout.p if self.training else 0.0
     if p > 0:
-        from megatron.core import tensor_parallel
-
         with tensor_parallel.get_cuda_rng_tracker().fork():
             ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
     else:
@@ -112,8 +111,6 @@ def _sdpa_binder(attention: torch.nn.Module):
 def enable_memory_efficient_attention(modules: Iterable[torch.nn.Module]) -> str:
     """Swap every local-spec ``DotProductAttention`` forward for SDPA (CB2); returns a note, or raises
     naming what prevents it."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     swapped, already = 0, 0
     for m in modules:
         for sub in m.modules():

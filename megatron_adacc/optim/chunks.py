@@ -21,6 +21,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_adacc.optim.megatron import setup_adama
+
 
 class AdamAChunk(DistributedDataParallel):
     """A model chunk in DDP's place without DDP's gradient buffer (see the module docstring)."""
@@ -91,8 +93,6 @@ class MegatronLMAdamA:
 
 def build_optimizer(args: Any, model_chunks: list[torch.nn.Module]) -> MegatronLMAdamA:
     """AdamA for the chunks Megatron built (``AdamAChunk`` wrappers), in ``get_megatron_optimizer``'s place."""
-    from megatron_adacc.optim.megatron import setup_adama
-
     bare = []
     for chunk in model_chunks:
         if not isinstance(chunk, AdamAChunk):

@@ -125,6 +125,8 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
 
 
 def data_parallel_size() -> int:
+    # megatron-core is imported in the functions: check_supported is --adama's preflight, and a refused
+    # command line fails before megatron-core loads.
     from megatron.core import parallel_state
 
     if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
@@ -236,7 +238,7 @@ def setup_adama(args: Any, model_chunks: list[torch.nn.Module], config: Any = No
     Returns the model chunks to train (unchanged) and the optimizer.
     """
     check_supported(args, config)
-    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed import DistributedDataParallel  # see data_parallel_size
 
     for chunk in model_chunks:
         if isinstance(chunk, DistributedDataParallel):
@@ -247,7 +249,7 @@ def setup_adama(args: Any, model_chunks: list[torch.nn.Module], config: Any = No
     dp_size = data_parallel_size()
     group = None
     if dp_size > 1:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # see data_parallel_size
 
         group = parallel_state.get_data_parallel_group()
         _broadcast_params(model_chunks, group)

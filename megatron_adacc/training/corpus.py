@@ -18,6 +18,7 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from megatron_adacc.core.errors import AdaccError
 
@@ -82,8 +83,6 @@ def cache_dir() -> Path:
 def corpus_text(name: str = "embedded") -> str:
     """The text of corpus ``name`` (downloaded and cached on first use for registry corpora)."""
     if name == "embedded":
-        from pydoc_data.topics import topics
-
         return "\n\n".join(topics[key] for key in sorted(topics))
     if name not in REGISTRY_CORPORA:
         raise ValueError(f"unknown corpus {name!r}; corpora are {', '.join(CORPORA)}")

@@ -11,6 +11,8 @@ from functools import lru_cache
 
 import torch
 
+from megatron_adacc.training.corpus import corpus_text
+
 VOCAB_SIZE = 256
 
 
@@ -18,8 +20,6 @@ VOCAB_SIZE = 256
 def corpus_tokens(corpus: str = "embedded") -> torch.Tensor:
     """The whole corpus as a 1-D uint8 tensor of byte values (batches widen to int64: a 5 MB corpus held as
     int64 would add 40 MB to every process's memory)."""
-    from megatron_adacc.training.corpus import corpus_text
-
     return torch.frombuffer(bytearray(corpus_text(corpus).encode("utf-8")), dtype=torch.uint8)
 
 

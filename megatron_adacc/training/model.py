@@ -1,7 +1,13 @@
-"""Build megatron-core's GPTModel (local layer spec), its DDP wrapper and optimizer from `adacc train` args."""
+"""Build megatron-core's GPTModel (local layer spec), its DDP wrapper and optimizer from `adacc train` args.
+
+megatron-core is imported inside the functions: :mod:`.loop` imports this module, and `adacc train --help`, its
+refusals and the torchrun workers (which import the loop before ``quiet_fallback_warnings()``) must not wait for
+megatron-core or print its import-time notices.
+"""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -108,8 +114,6 @@ def build_optimizer(args: SimpleNamespace, ddp_model):
 
 def lr_at(args: SimpleNamespace, iteration: int) -> float:
     """Linear warm-up then cosine decay to --min-lr, like Megatron-LM's default scheduler."""
-    import math
-
     warmup = args.lr_warmup_iters or 0
     if iteration <= warmup:
         return args.lr * iteration / max(1, warmup)

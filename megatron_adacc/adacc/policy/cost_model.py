@@ -30,6 +30,7 @@ recompute does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -130,9 +131,7 @@ class Problem:
         Pareto-optimal layer policies (with ``stash``, counting segment-input stashes). Mixing layer policies
         cannot beat the best one used everywhere: its stored bytes are no larger than any mix's average and
         its re-materialization no larger than the mix's largest."""
-        import math
-
-        from megatron_adacc.adacc.policy.pareto import pareto_front
+        from megatron_adacc.adacc.policy.pareto import pareto_front  # a cycle at module level: pareto imports Problem
 
         best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.remat_bytes])
                    for p in pareto_front(self, chain_aware=stash))

@@ -6,6 +6,7 @@ CRate_i: compressed bytes / original bytes (a fraction, so memory = M_i x CRate_
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,8 +174,6 @@ class LayerProfile:
 
     def with_codec_update(self, updates: dict[str, dict[str, CodecProfile]]) -> LayerProfile:
         """A copy with some ops' codec profiles replaced (adaptive evolution re-measures these)."""
-        import copy
-
         new = copy.deepcopy(self)
         for op_name, codecs in updates.items():
             new.op(op_name).codecs.update(copy.deepcopy(codecs))

@@ -22,7 +22,7 @@ SIGNATURE_FIELDS: tuple[str, ...] = (
 
 def megatron_core_version() -> str:
     """The installed megatron-core version (``unknown`` when it cannot be imported)."""
-    try:
+    try:  # here, not at the top: adacc.policy itself imports no Megatron
         from megatron.core.package_info import __version__
     except Exception:  # noqa: BLE001 - an absent or broken install only weakens the signature
         return "unknown"

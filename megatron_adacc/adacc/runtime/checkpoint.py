@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, Action, segments
 from megatron_adacc.adacc.runtime import accounting
@@ -48,7 +49,7 @@ from megatron_adacc.adacc.runtime.ops import (
     run_ops,
     segment_inputs,
 )
-from megatron_adacc.codecs import NonFiniteInputError
+from megatron_adacc.codecs import NonFiniteInputError, get_codec
 from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
 
 # ------------------------------------------------------------------------------------------------ codecs
@@ -60,8 +61,6 @@ def codec_for(name: str, params: Mapping[str, Any]) -> Any:
     key = (name, tuple(sorted(params.items())))
     codec = _CODEC_CACHE.get(key)
     if codec is None:
-        from megatron_adacc.codecs import get_codec
-
         codec = _CODEC_CACHE[key] = get_codec(name, **dict(params))
     return codec
 
@@ -193,8 +192,6 @@ def _replay_rng(states: tuple | None):
     if states is None:
         yield
         return
-    from megatron.core.tensor_parallel.random import _fork_rng, _set_all_rng_states
-
     cpu, cuda, tracker = states
     with _fork_rng():
         # A copy of the tracker dict: set_states() adopts the dict, and forks inside the re-run update it.
@@ -203,8 +200,6 @@ def _replay_rng(states: tuple | None):
 
 
 def _capture_rng() -> tuple:
-    from megatron.core.tensor_parallel.random import _get_all_rng_states
-
     cpu, cuda, tracker = _get_all_rng_states()
     return cpu, cuda, dict(tracker)
 

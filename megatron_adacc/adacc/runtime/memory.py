@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, Action, segments
+from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.runtime import accounting
 from megatron_adacc.adacc.runtime.checkpoint import (
     LayerMemory,
@@ -35,6 +37,7 @@ from megatron_adacc.adacc.runtime.checkpoint import (
     rng_state_nbytes,
 )
 from megatron_adacc.adacc.runtime.ops import LAYER_INPUTS, PRODUCER, RNG_OPS, initial_env, layer_ops, segment_inputs
+from megatron_adacc.codecs import NonFiniteInputError
 from megatron_adacc.core.saved import storage_ptr, tensor_key, unique_storage_bytes
 
 CodecKey = tuple  # (codec name, sorted params)
@@ -108,8 +111,6 @@ def profile_layer_sizes(
     ``codecs`` maps op names to the codec keys (:func:`codec_key`) to measure for that op; e.g.
     ``_codecs_of(policy.layer_decisions(i))``.
     """
-    from megatron.core.tensor_parallel.random import _fork_rng
-
     codecs = {name: set(codecs.get(name, ())) if codecs else set() for name in OP_NAMES}
     ops = layer_ops(layer)
     params = {storage_ptr(p) for p in layer.parameters()}
@@ -175,9 +176,6 @@ def profile_layer_sizes(
 def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey) -> int:
     """Bytes the runtime holds when op ``op`` compresses ``entries`` ((tensor, is an op output) pairs) with
     codec ``key``: the same per-tensor routing as the runtime (:func:`compress_tensor`)."""
-    from megatron_adacc.adacc.policy.policy import Decision
-    from megatron_adacc.codecs import NonFiniteInputError
-
     decision = Decision(Action.COMPRESS, key[0], dict(key[1]))
     total = 0
     kept: list[torch.Tensor] = []

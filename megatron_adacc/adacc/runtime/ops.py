@@ -53,6 +53,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
+from megatron.core.utils import make_viewless_tensor
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES
 
@@ -116,11 +124,6 @@ def _input_layernorm(layer, hidden_states):
 
 
 def _linear_qkv(layer, ln1, rotary_pos_emb):
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        _yarn_get_concentration_factor_from_config,
-    )
-
     attn = layer.self_attention
     config = attn.config
     # SelfAttention.forward: layers listed in no_rope_freq skip RoPE; a single embedding serves q and k.
@@ -147,8 +150,6 @@ def _gqa_repeat(core, tensor):
 
 
 def _scores(layer, query, key):
-    from megatron.core import parallel_state
-
     core = layer.self_attention.core_attention
     key = _gqa_repeat(core, key)
     output_size = (query.size(1), query.size(2), query.size(0), key.size(0))  # [b, np, sq, sk]
@@ -167,8 +168,6 @@ def _softmax(layer, scores, attention_mask):
 
 
 def _dropout(layer, probs):
-    from megatron.core import tensor_parallel
-
     core = layer.self_attention.core_attention
     ctx = tensor_parallel.get_cuda_rng_tracker().fork() if not core.config.sequence_parallel else nullcontext()
     with ctx:
@@ -216,11 +215,6 @@ def _linear_fc1(layer, ln2):
 
 def _activation(layer, fc1_out, fc1_bias):
     """MLP.forward's activation branch (no TE activation, no per-token scale)."""
-    import torch.nn.functional as F
-    from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
-    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
-    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-
     mlp = layer.mlp
     config = mlp.config
     x, bias = fc1_out, fc1_bias
@@ -254,8 +248,6 @@ def _linear_fc2(layer, act):
 
 
 def _mlp_bda(layer, fc2_out, fc2_bias, attn_out):
-    from megatron.core.utils import make_viewless_tensor
-
     hidden = _bda(layer, layer.mlp_bda, fc2_out, fc2_bias, attn_out)
     return {"output": make_viewless_tensor(inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True)}
 

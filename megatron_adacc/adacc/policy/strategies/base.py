@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,8 +123,6 @@ def run_cbc(prob: pulp.LpProblem) -> str:
 def cbc(**options: Any) -> pulp.LpSolver:
     """PuLP's bundled CBC binary, silent. PuLP 3.3 deprecates the bundled-binary class in favour of a
     separately installed CBC; the bundled one is what works offline, so its warning is silenced here."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(msg=False, **options)
