@@ -80,6 +80,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adacc-codec", choices=("int4", "gact"), default="int4",
                    help="Codec family for tensors the policy compresses: the paper's layer-specific INT4 "
                         "codecs, or GACT's adaptive-bit stochastic quantizer.")
+    g.add_argument("--adacc-predict-memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="Profile each layer's per-op sizes at its first forward, to report predicted bytes beside "
+                        "the measured ones. It costs one extra layer forward at step 1, which raises the peak, so "
+                        "by default it runs only for policies without the solver's prediction (presets, "
+                        "hand-written files); a solved policy (auto) reports the solver's.")
     g.add_argument("--adacc-chain-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="MILP: charge a whole recompute segment when an op's input is also recomputed "
                         "(--no-adacc-chain-aware gives the paper's per-op cost).")

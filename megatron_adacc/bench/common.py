@@ -12,10 +12,6 @@ import sys
 
 from megatron_adacc.bench import harness
 
-#: Adacc's per-layer size profile (one extra layer forward at step 1, for predicted-vs-measured bytes) is a
-#: diagnostic, not part of a method's cost: benchmarks turn it off so it does not show in peak memory.
-_ENV = {"ADACC_PREDICT_MEMORY": "0"}
-
 
 def profile_for(flags: list[str], timeout: float = 1800) -> None:
     """Run `adacc profile` for this configuration in its own process, so that an ``--adacc-policy auto`` run
@@ -33,7 +29,7 @@ def profile_for(flags: list[str], timeout: float = 1800) -> None:
 
 def peak_memory(flags: list[str], timeout: float = 1800) -> int:
     """Peak memory of one `adacc train` invocation, from a low-fragmentation run on CPU (no timing run)."""
-    out = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV,
+    out = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout,
                                         low_fragmentation_malloc=True)
     return int(out["peak_memory_bytes"])
 
@@ -63,16 +59,16 @@ def keep_all_offset(flags: list[str], workdir) -> tuple[int, dict]:
 def train_method(flags: list[str], memory_run: bool = True, timeout: float = 1800) -> dict:
     """Metrics of one `adacc train` invocation: step_time_s, tokens_per_s, final_loss, losses,
     saved_activation_bytes, peak_memory_bytes (from a low-fragmentation run when ``memory_run``)."""
-    timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV)
+    timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout)
     out = {k: timed.get(k) for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
                                      "peak_memory_bytes", "losses", "valid_loss")}
     # what the features report that a benchmark may read (policy evolution's switches); not per-layer detail
-    keys = ("switches", "tracking_iterations", "policy", "decisions")
+    keys = ("switches", "tracking_iterations", "policy", "decisions", "predicted_peak_bytes", "over_budget")
     out["extensions"] = {name: {k: v for k, v in rep.items() if k in keys}
                          for name, rep in (timed.get("extensions") or {}).items()}
     out["peak_memory_source"] = timed["peak_memory_kind"]
     if memory_run and timed["device"] == "cpu":
-        mem = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout, env=_ENV,
+        mem = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout,
                                             low_fragmentation_malloc=True)
         out["peak_memory_bytes"] = mem["peak_memory_bytes"]
         out["peak_memory_source"] = "peak_rss (MALLOC_MMAP_THRESHOLD_=65536 run)"
@@ -95,8 +91,7 @@ def interleaved_step_times(methods: dict[str, list[str]], repeats: int, timeout:
     A comparison against the fastest of many configurations must re-time that configuration this way: its
     sweep time is the minimum of many noisy draws, biased low against a method timed once."""
     def step_time(name: str) -> float:
-        return harness.run_method_subprocess(__name__, {"flags": methods[name]}, timeout=timeout,
-                                             env=_ENV)["step_time_s"]
+        return harness.run_method_subprocess(__name__, {"flags": methods[name]}, timeout=timeout)["step_time_s"]
 
     return interleaved_runs(step_time, methods, repeats)
 

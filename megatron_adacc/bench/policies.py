@@ -14,13 +14,10 @@ Run on the default config and on ``cpu-large`` (4 layers, hidden 512, sequence 2
 otherwise. Because sequential runs on a shared machine drift with its load, the adacc_keep overhead is also
 measured *interleaved* in one process (alternating Megatron and adacc_keep forward+backward steps on the same
 model and batch; ``overhead_interleaved``), which is the figure the <= 5% target is checked against.
-The predicted-memory profile is switched off (``ADACC_PREDICT_MEMORY=0``) because its one extra
-layer forward at step 1 would show in peak memory.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -84,7 +81,6 @@ def _methods(config: str, directory: str) -> dict[str, list[str]]:
 def run(args) -> dict:
     configs = (args.configs or ("tiny" if args.quick else "tiny,cpu-large")).split(",")
     only = set(args.methods.split(",")) if args.methods else None
-    os.environ["ADACC_PREDICT_MEMORY"] = "0"  # inherited by the method subprocesses
     results: dict[str, dict] = {}
     flat: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

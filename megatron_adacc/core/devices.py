@@ -1,6 +1,9 @@
-"""Which device a run means when it names none."""
+"""Which device a run means when it names none, and how much of it a run used at most."""
 
 from __future__ import annotations
+
+import resource
+import sys
 
 import torch
 
@@ -16,3 +19,20 @@ def resolve_device(requested: str | torch.device | None = "auto") -> torch.devic
     if device.type == "cuda" and not torch.cuda.is_available():
         raise IntegrationError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu.")
     return device
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for :func:`peak_memory_bytes` (CUDA; a process's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated since the last reset. CPU: this process's peak resident set size.
+
+    Peak RSS under glibc's default malloc keeps freed activation buffers (docs/measuring.md): runs that compare
+    CPU memory set ``MALLOC_MMAP_THRESHOLD_=65536``."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

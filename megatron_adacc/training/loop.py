@@ -22,6 +22,8 @@ import torch
 
 from megatron_adacc import features
 from megatron_adacc.core import features as core_features
+from megatron_adacc.core import host as core_host
+from megatron_adacc.core.devices import peak_memory_bytes, reset_peak_memory
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.core.saved import SavedTensorMeter
@@ -29,7 +31,7 @@ from megatron_adacc.core.units import format_bytes
 from megatron_adacc.training import distributed
 from megatron_adacc.training import model as model_lib
 from megatron_adacc.training.data import BatchSampler
-from megatron_adacc.training.memory import peak_memory_bytes, reset_peak_memory
+from megatron_adacc.training.host import TrainHost
 
 
 def num_microbatches(args: SimpleNamespace, world: int) -> int:
@@ -50,7 +52,7 @@ def _forward_loss(model, batch) -> torch.Tensor:
 def _progress(iterable, enabled: bool, total: int):
     if not enabled:
         return iterable
-    from tqdm import tqdm
+    from tqdm import tqdm  # only with a progress bar
 
     return tqdm(iterable, total=total, unit="it", dynamic_ncols=True, desc="train")
 
@@ -163,7 +165,8 @@ def train(args: SimpleNamespace, return_model: bool = False):
 
     With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
     """
-    run = _set_up(args)
+    with core_host.running(TrainHost()):
+        run = _set_up(args)
     model, optimizer, sampler, extensions = run.model, run.optimizer, run.sampler, run.extensions
     start_iter = _load_checkpoint(args.load, run.rank, model, optimizer, sampler, extensions) if args.load else 0
 

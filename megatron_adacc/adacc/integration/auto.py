@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -26,27 +27,65 @@ def _device(args: Any) -> torch.device:
     return resolve_device(getattr(args, "device", "auto"))
 
 
-def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = _log,
-                        force: bool = False) -> tuple[LayerProfile, dict[str, Any]]:
+def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = _log, force: bool = False,
+                        isolate: bool = False) -> tuple[LayerProfile, dict[str, Any]]:
     """The stored profile for this device and model signature, profiling (and storing) it when missing.
 
     Profiling builds a one-layer model (:func:`~megatron_adacc.adacc.integration.sample.layer_sample`), which
-    draws from the RNG as the real model's construction does."""
-    from megatron_adacc.adacc.integration.profiler import device_name, profile_layer
-    from megatron_adacc.adacc.integration.sample import layer_sample
+    draws from the RNG as the real model's construction does. With ``isolate`` that happens in a child process
+    (:mod:`~megatron_adacc.adacc.integration.profile_child`), so this process's peak memory and random streams
+    are what they would be with a warm cache; under torch.distributed, rank 0 profiles and the others then read
+    the database.
+    """
+    from megatron_adacc.adacc.integration.profiler import device_name
 
     device = _device(args)
     db = ProfileDB(getattr(args, "adacc_profile_db", None))
     sig = model_signature(config, args)
     found = None if force else db.get(device_name(device), sig)
+    if found is None and isolate:
+        _on_rank0(lambda: _profile_isolated(args, config, device, db, log))
+        found = db.get(device_name(device), sig)  # None where ranks do not share the database: profile here
     if found is not None:
         pid, profile = found
         log(f"reusing profile #{pid} from {db.path} ({profile.device})")
         return profile, db.reference(pid, profile)
+    return _profile_here(args, config, device, db, log)
+
+
+def _profile_here(args: Any, config: Any, device: torch.device, db: ProfileDB,
+                  log: Callable[[str], None]) -> tuple[LayerProfile, dict[str, Any]]:
+    from megatron_adacc.adacc.integration.profiler import device_name, profile_layer
+    from megatron_adacc.adacc.integration.sample import layer_sample
+
     log(f"profiling one layer on {device_name(device)} (stored in {db.path})")
     profile = profile_layer(layer_sample(args, config, device), args, config, device=device, log=log)
     pid = db.put(profile)
     return profile, db.reference(pid, profile)
+
+
+def _profile_isolated(args: Any, config: Any, device: torch.device, db: ProfileDB,
+                      log: Callable[[str], None]) -> None:
+    """Profile in a child process into ``db``; in this process when the arguments cannot be handed over."""
+    from megatron_adacc.adacc.integration import profile_child
+
+    data = profile_child.payload(args, config)
+    if data is None:
+        log("profiling in this process: its arguments cannot be handed to a child process (its peak memory "
+            "then counts against the budget of this run)")
+        _profile_here(args, config, device, db, log)
+        return
+    log("profiling in a child process (its memory and random numbers stay out of this run)")
+    profile_child.profile_in_child(data, log)
+
+
+def _on_rank0(work: Callable[[], None]) -> None:
+    """Run ``work`` on rank 0 only, while the other ranks wait for it."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        work()
+    if distributed:
+        torch.distributed.barrier()
 
 
 def _resident_bytes() -> int:
@@ -58,7 +97,7 @@ def _resident_bytes() -> int:
         return 0
 
 
-def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log) -> Policy:
+def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, isolate: bool = False) -> Policy:
     """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory).
 
     Raises :class:`~megatron_adacc.adacc.policy.strategies.InfeasibleBudgetError` before training when no policy
@@ -67,16 +106,12 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log) ->
     from megatron_adacc.adacc.integration.profiler import device_memory_bytes
 
     device = _device(args)
+    resident = _resident_bytes()  # before profiling, which may run in this process
+    profile, ref = get_or_make_profile(args, config, log=log, isolate=isolate)
     if device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None):
-        import megatron_adacc.codecs  # noqa: F401  (loads the codec extension, which training will hold too)
-
-        # On the CPU the budget is peak RSS, which also counts the interpreter, torch and megatron-core. Kept on
-        # args so that policy evolution re-solves against the same static memory.
-        args.adacc_process_baseline_bytes = _resident_bytes()
-        log(f"CPU: the budget is peak RSS; counting this process's {args.adacc_process_baseline_bytes / 2**20:.0f}"
-            " MiB (interpreter and libraries) as static memory")
+        # Kept on args so that policy evolution re-solves against the same process memory.
+        args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
     options = SolveOptions.from_args(args)
-    profile, ref = get_or_make_profile(args, config, log=log)
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
     policy, result = solve_policy(profile, budget, options, profile_ref=ref,
                                   signature=model_signature(config, args))
@@ -86,15 +121,61 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log) ->
     return policy
 
 
-def resolve_policy(args: Any, config: Any) -> Policy | str | None:
-    """What ``--adacc-policy`` names: None (``none``), a preset name, the ``auto`` policy, or a file's policy
-    (checked against this model's signature)."""
+def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resident: int,
+                     log: Callable[[str], None] = _log) -> int:
+    """On the CPU the budget is peak RSS, which also counts what the cost model does not: the interpreter,
+    torch, megatron-core, and the buffers the framework creates once training runs. The figure is calibrated
+    once per profile and micro-batch size, from a short keep-everything run of the user's own command that the
+    host runs in a child process (:mod:`megatron_adacc.core.host`): its measured peak minus the cost model's
+    prediction for it. Without a host that can run one, this process's resident size now (``resident``)."""
+    db, key = ProfileDB(ref["db"]), f"micro_batch_size={getattr(args, 'micro_batch_size', None)}"
+    baseline = db.get_baseline(int(ref["id"]), key)
+    if baseline is None:
+        _on_rank0(lambda: _calibrate(args, profile, ref, db, key, log))
+        baseline = db.get_baseline(int(ref["id"]), key)
+    if baseline is not None:
+        log(f"CPU: the budget is peak RSS; counting {baseline / 2**20:.0f} MiB of process memory outside the "
+            f"cost model (calibrated for {key} on profile #{ref['id']})")
+        return baseline
+    log(f"CPU: the budget is peak RSS; counting this process's {resident / 2**20:.0f} MiB (interpreter and "
+        "libraries) as static memory. Buffers created once training runs are not in it: keep "
+        "--adacc-memory-headroom for them")
+    return resident
+
+
+def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: ProfileDB, key: str,
+               log: Callable[[str], None]) -> None:
+    """Measure a short keep-everything run of the user's command and store its process baseline."""
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.solver import evaluate_policy
+    from megatron_adacc.core import host
+
+    runner = host.current()
+    if not runner.runs_training:
+        return
+    keep_all = Policy.all_keep(int(profile.signature["num_layers"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(save_policy(keep_all, os.path.join(tmp, "keep-all.json")))
+        log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
+            "in a child process, once per profile and micro-batch size")
+        peak = runner.peak_memory_bytes(args, adacc_policy=path, train_iters=2, adacc_no_evolution=True,
+                                        adacc_predict_memory=False,
+                                        adacc_memory_budget=None, adacc_process_baseline_bytes=None)
+    if peak is None:
+        log("calibration run failed; its error is above")
+        return
+    db.put_baseline(int(ref["id"]), key, peak - int(evaluate_policy(profile, keep_all)["memory_bytes"]))
+
+
+def resolve_policy(args: Any, config: Any, *, isolate: bool = False) -> Policy | str | None:
+    """What ``--adacc-policy`` names: None (``none``), a preset name, the ``auto`` policy (profiled in a child
+    process with ``isolate``), or a file's policy (checked against this model's signature)."""
     spec = getattr(args, "adacc_policy", "none") or "none"
     key = spec.replace("_", "-").lower()
     if key == "none":
         return None
     if key == "auto":
-        return make_policy(args, config)
+        return make_policy(args, config, isolate=isolate)
     if preset_key(key) is not None:
         return Policy.preset(key, config.num_layers)
     return load_policy(spec, signature=model_signature(config, args))

@@ -9,11 +9,13 @@ final norm, logits, loss) itself and adds the layers' bytes as the runtime measu
 from __future__ import annotations
 
 import contextlib
-import os
+import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
+from megatron_adacc.core.devices import peak_memory_bytes
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
+from megatron_adacc.core.units import format_bytes
 
 
 class AdaccExtension(TrainingExtension):
@@ -21,10 +23,11 @@ class AdaccExtension(TrainingExtension):
 
     name = "adacc"
 
-    def __init__(self, policy: Any, config: Any, predict_memory: bool = True):
+    def __init__(self, policy: Any, config: Any, predict_memory: bool = True, budget_bytes: int | None = None):
         from megatron_adacc.adacc.integration import install
 
         self.policy = install(policy, config=config, predict_memory=predict_memory)
+        self.budget_bytes = budget_bytes
         self._meter = None
         self._outer_bytes = 0
         self._params: list = []
@@ -75,7 +78,26 @@ class AdaccExtension(TrainingExtension):
         errors = [r["rel_error"] for r in rep["layers"] if r.get("rel_error") is not None]
         if errors:
             out["max_rel_error"] = max(errors)
+        predicted = getattr(policy, "predicted", None) or {}
+        if out["layer_bytes_predicted"] is None and predicted.get("per_layer"):
+            # the solver's figure when the layers' sizes were not profiled in this run (--adacc-predict-memory)
+            out["layer_bytes_predicted"] = sum(r["activation_bytes"] for r in predicted["per_layer"])
+        out.update(self._budget_check(predicted.get("memory_bytes")))
         return out
+
+    def _budget_check(self, predicted_peak: int | None) -> dict[str, Any]:
+        """The run's peak against its budget; a run over budget says so loudly, with the figures."""
+        if self.budget_bytes is None or not self._params:
+            return {}
+        peak = peak_memory_bytes(self._params[0].device)
+        over = peak > self.budget_bytes
+        if over:
+            guess = f", the solver predicted {format_bytes(predicted_peak)}" if predicted_peak else ""
+            print(f"\n[adacc] WARNING: this run peaked at {format_bytes(peak)}, OVER its memory budget of "
+                  f"{format_bytes(self.budget_bytes)}{guess}. Lower --adacc-memory-budget by the difference or "
+                  "raise --adacc-memory-headroom, and please report the figures.\n", file=sys.stderr, flush=True)
+        return {"budget_bytes": self.budget_bytes, "peak_bytes": peak, "predicted_peak_bytes": predicted_peak,
+                "over_budget": over}
 
 
 def build_extension(args: Any, config: Any) -> AdaccExtension:
@@ -86,11 +108,12 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
     """
     from megatron_adacc.adacc.integration.auto import resolve_policy
 
-    policy = resolve_policy(args, config)
-    # ADACC_PREDICT_MEMORY=0 skips the per-layer size profile (one extra layer forward at step 1), which would
-    # otherwise show in peak-memory benchmarks.
-    predict = os.environ.get("ADACC_PREDICT_MEMORY", "1") != "0"
-    return AdaccExtension(policy, config, predict_memory=predict)
+    policy = resolve_policy(args, config, isolate=True)
+    predict = getattr(args, "adacc_predict_memory", None)
+    if predict is None:  # the solver's prediction, where there is one, costs nothing at run time
+        predict = not (getattr(policy, "predicted", None) or {}).get("per_layer")
+    return AdaccExtension(policy, config, predict_memory=bool(predict),
+                          budget_bytes=getattr(args, "adacc_memory_budget", None))
 
 
 def build_extensions(args: Any, config: Any) -> list[TrainingExtension]:

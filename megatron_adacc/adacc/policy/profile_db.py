@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,13 @@ CREATE TABLE IF NOT EXISTS profiles (
     payload TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS profiles_by_key ON profiles (device, signature_key, created_at);
+CREATE TABLE IF NOT EXISTS process_baselines (
+    profile_id INTEGER NOT NULL REFERENCES profiles (id),
+    run_key TEXT NOT NULL,
+    baseline_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (profile_id, run_key)
+);
 """
 
 
@@ -95,6 +103,19 @@ class ProfileDB:
             rows = con.execute("SELECT id, device, signature, source, created_at FROM profiles ORDER BY id").fetchall()
         return [{"id": r[0], "device": r[1], "signature": json.loads(r[2]), "source": r[3], "created_at": r[4]}
                 for r in rows]
+
+    def put_baseline(self, profile_id: int, run_key: str, baseline_bytes: int) -> None:
+        """Store the measured process memory outside the cost model for runs of ``run_key`` on this profile."""
+        with closing(self._connect()) as con, con:
+            con.execute("INSERT OR REPLACE INTO process_baselines VALUES (?, ?, ?, ?)",
+                        (profile_id, run_key, int(baseline_bytes), time.time()))
+
+    def get_baseline(self, profile_id: int, run_key: str) -> int | None:
+        """What :meth:`put_baseline` stored, or None."""
+        with closing(self._connect()) as con:
+            row = con.execute("SELECT baseline_bytes FROM process_baselines WHERE profile_id = ? AND run_key = ?",
+                              (profile_id, run_key)).fetchone()
+        return None if row is None else int(row[0])
 
     def reference(self, profile_id: int, profile: LayerProfile) -> dict[str, Any]:
         """What a policy file stores to point at this profile."""

@@ -1,0 +1,73 @@
+"""``--adacc-policy auto`` profiles in a process of its own.
+
+The profiler builds a one-layer model, runs it many times and draws random numbers. Done inside the training
+process, its peak would count against the memory budget of the run that asked for it (peak RSS on the CPU
+keeps it for good), and its draws would shift the run's random streams, so that a run with a cold profile
+cache trained differently from one with a warm cache. In a child, neither happens: the parent only reads the
+stored profile back. The child is a world of one whatever launched the parent.
+
+Usage (internal): ``python -m megatron_adacc.adacc.integration.profile_child PAYLOAD`` where PAYLOAD is a
+``torch.save`` of ``{"args": ..., "config": ...}``; the child stores the profile and prints its reference as
+the last line of standard output.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_adacc.compat import process
+
+
+def payload(args: Any, config: Any) -> bytes | None:
+    """The child's input, or None when ``args`` or ``config`` cannot be pickled (then profile in-process)."""
+    buf = io.BytesIO()
+    try:
+        torch.save({"args": args, "config": config}, buf)
+    except Exception:  # noqa: BLE001  (any unpicklable attribute of a host's Namespace)
+        return None
+    return buf.getvalue()
+
+
+def profile_in_child(data: bytes, log: Callable[[str], None]) -> dict[str, Any]:
+    """Run the profiler in a child process on ``data`` (see :func:`payload`); returns the stored profile's
+    reference. The child's log lines go to this process's standard error as they come."""
+    with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as fh:
+        fh.write(data)
+        path = fh.name
+    env = process.solo_environment()
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, path], stdout=subprocess.PIPE, stderr=None,
+                              text=True, env=env)
+    finally:
+        os.unlink(path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the profiler's child process failed (exit {proc.returncode}); its error is above. "
+                           "Run `adacc profile` with the same flags to see it alone")
+    return json.loads(lines[-1])
+
+
+def main(path: str) -> None:
+    from megatron_adacc.adacc.integration.auto import get_or_make_profile
+    from megatron_adacc.core.devices import resolve_device
+
+    data = torch.load(path, weights_only=False)  # written by this package's parent process a moment ago
+    args, config = data["args"], data["config"]
+    device = resolve_device(getattr(args, "device", "auto"))
+    process.initialize(device, int(getattr(args, "seed", 0) or 0))
+    _, ref = get_or_make_profile(args, config)
+    print(json.dumps(ref), flush=True)
+    process.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,85 @@
+"""One process's torch.distributed and megatron-core model-parallel state (single process or torchrun).
+
+Shared by ``adacc train`` and by the helper processes megatron-adacc starts itself (the profiler's child), which
+must come up the same way without importing a host. megatron-core is imported inside the functions, so that
+importing this module (``adacc train --help``, the test helpers) does not load it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+
+
+def initialize(device: torch.device, seed: int) -> tuple[int, int]:
+    """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron's model-parallel state.
+
+    Works with or without torchrun: a single process becomes rank 0 of a world of 1. Returns (rank, world).
+    """
+    from megatron.core import parallel_state
+
+    if device.type == "cpu":
+        from megatron_adacc.compat import cpu
+
+        cpu.apply()
+    if not torch.distributed.is_initialized():
+        backend = "gloo" if device.type == "cpu" else "nccl"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+            # A world of one meets through a file: no port to pick, so none another process can take first.
+            fd, path = tempfile.mkstemp(prefix="adacc-rendezvous-")
+            os.close(fd)
+            torch.distributed.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            torch.distributed.init_process_group(backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    set_seed(seed)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def set_seed(seed: int) -> None:
+    """Seed python-side torch RNG and megatron's tracker exactly as Megatron-LM's initialize does."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down megatron's state and the process group, so a process can initialize again (tests)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: torchrun's variables: a child that inherited them would try to join its parent's group.
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def solo_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) for a child process that is its own world of one,
+    whatever launched its parent."""
+    env = dict(os.environ if base is None else base)
+    for name in _LAUNCHER_VARIABLES:
+        env.pop(name, None)
+    return env

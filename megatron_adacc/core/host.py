@@ -1,0 +1,44 @@
+"""What the running host offers features beyond the extension protocol.
+
+Some answers only the host can give, before the model exists: ``--adacc-policy auto`` on the CPU needs the
+process memory a training run holds outside its tensors, which only a real run of the user's own command shows.
+The host that runs (``adacc train``) sets itself here for the run; a host that cannot answer (Megatron-LM's
+script, a custom loop) leaves the default, and the feature falls back to what it can measure itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+
+class Host:
+    """The default: a host that runs nothing on a feature's behalf."""
+
+    name = "none"
+    runs_training = False
+    """Whether :meth:`peak_memory_bytes` can answer."""
+
+    def peak_memory_bytes(self, args: Any, **overrides: Any) -> int | None:
+        """Peak memory of a short training run of this host with ``args`` changed by ``overrides`` (run in a
+        process of its own), or None where the host cannot run one."""
+        return None
+
+
+_CURRENT: list[Host] = [Host()]
+
+
+def current() -> Host:
+    """The host running now."""
+    return _CURRENT[-1]
+
+
+@contextlib.contextmanager
+def running(host: Host) -> Iterator[Host]:
+    """Make ``host`` :func:`current` while the block runs."""
+    _CURRENT.append(host)
+    try:
+        yield host
+    finally:
+        _CURRENT.remove(host)

@@ -1,0 +1,95 @@
+"""`adacc train --adacc-policy auto --adacc-memory-budget B`, the way a user runs it, keeps B (issue: the budget a
+user gives is the budget the run keeps): profiling runs in a child process, the process memory outside the cost
+model is calibrated by the host, and a cold profile cache trains exactly as a warm one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_adacc.adacc.integration import auto
+from megatron_adacc.adacc.policy.profile_db import ProfileDB
+from megatron_adacc.core import host
+from megatron_adacc.training.args import parse_train_args
+from megatron_adacc.training.loop import train
+
+REPO = Path(__file__).resolve().parents[2]
+FEW = ["--train-iters", "3", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _uninstall():
+    yield
+    from megatron_adacc.adacc.integration import uninstall
+
+    uninstall()
+
+
+def _adacc_train(flags: list[str], db: Path, out: Path) -> dict:
+    env = {**os.environ, "ADACC_PROFILE_DB": str(db), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_adacc.cli", "train", *flags, "--output-json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_a_cold_cache_run_keeps_its_budget(tmp_path):
+    """The tiny config between its smallest feasible budget (~392 MiB) and stock Megatron's peak (~459 MiB)."""
+    budget = 440 * 2**20
+    summary = _adacc_train(["--adacc-policy", "auto", "--adacc-memory-budget", str(budget), *FEW],
+                           tmp_path / "profile.sqlite", tmp_path / "run.json")
+    report = summary["extensions"]["adacc"]
+    assert report["over_budget"] is False and summary["peak_memory_bytes"] <= budget
+    assert report["decisions"] != {"keep": 52}  # the budget made Adacc save memory
+    assert ProfileDB(tmp_path / "profile.sqlite").get_baseline(1, "micro_batch_size=8") is not None
+
+
+def test_cold_and_warm_profile_caches_train_bit_for_bit(tmp_path, monkeypatch):
+    """Profiling in a child leaves this process's random streams alone (the budget is fixed here, so that
+    the two runs solve the same policy whatever this process's resident size)."""
+    monkeypatch.setenv("ADACC_PROFILE_DB", str(tmp_path / "profile.sqlite"))
+    flags = ["--adacc-policy", "auto", "--adacc-memory-budget", "430MiB", "--adacc-process-baseline", "360MiB",
+             "--adacc-no-evolution", *FEW]
+    cold = train(parse_train_args(flags))
+    warm = train(parse_train_args(flags))
+    assert cold["extensions"]["adacc"]["decisions"] == warm["extensions"]["adacc"]["decisions"]
+    assert cold["losses"] == warm["losses"]
+
+
+def test_without_a_host_that_runs_training_the_resident_size_is_counted(tmp_path):
+    ref = {"db": str(tmp_path / "p.sqlite"), "id": 1}
+    ProfileDB(ref["db"])
+    args = parse_train_args(["--micro-batch-size", "4"])
+    logs: list[str] = []
+    assert host.current().runs_training is False
+    assert auto.process_baseline(args, None, ref, 123 * 2**20, logs.append) == 123 * 2**20
+    assert "not in it" in logs[-1]
+
+
+def test_a_stored_calibration_is_reused(tmp_path):
+    db = ProfileDB(tmp_path / "p.sqlite")
+    db.put_baseline(7, "micro_batch_size=4", 400 * 2**20)
+    args = parse_train_args(["--micro-batch-size", "4"])
+    logs: list[str] = []
+    ref = {"db": str(db.path), "id": 7}
+    assert auto.process_baseline(args, None, ref, 1, logs.append) == 400 * 2**20
+    assert "calibrated for micro_batch_size=4 on profile #7" in logs[-1]
+    assert db.get_baseline(7, "micro_batch_size=8") is None
+
+
+@pytest.mark.parametrize("peak, over", [(100, False), (10**12, True)])
+def test_the_run_says_loudly_when_it_went_over_its_budget(capsys, peak, over, monkeypatch):
+    import torch
+
+    from megatron_adacc.adacc.integration import extension
+
+    ext = extension.AdaccExtension.__new__(extension.AdaccExtension)
+    ext.budget_bytes, ext._params = 10**9, [torch.zeros(1)]
+    monkeypatch.setattr(extension, "peak_memory_bytes", lambda device: peak)
+    assert ext._budget_check(900 * 10**6)["over_budget"] is over
+    assert ("OVER its memory budget" in capsys.readouterr().err) is over
