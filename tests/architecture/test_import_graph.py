@@ -58,8 +58,18 @@ def _is_module(dotted: str, root: Path) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+def registry_entries(path: Path = PACKAGE / "features.py") -> set[str]:
+    """The modules the plugin registry imports by name (its ``ENTRIES``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "ENTRIES" for t in node.targets):
+            return {elt.value for elt in node.value.elts}
+    raise AssertionError("megatron_adacc/features.py has no ENTRIES")
+
+
 def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
+    edges = {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
+    edges["megatron_adacc.features"] |= registry_entries()
+    return edges
 
 
 def unit(module: str, prefix: str, units: set[str]) -> str | None:
@@ -106,6 +116,12 @@ def test_the_parts_of_adacc_import_only_lower_parts():
                if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
     assert present == {u for layer in layers for u in layer}
     assert violations(graph(), "megatron_adacc.adacc", layers) == []
+
+
+def test_the_registry_names_each_features_entry_module():
+    entries = registry_entries()
+    assert entries == {f"megatron_adacc.{pkg}.feature" for pkg in ("adacc", "comm", "gact", "optim")}
+    assert all(_is_module(entry, REPO) for entry in entries)
 
 
 def test_core_imports_no_other_package():
