@@ -46,7 +46,8 @@ def test_a_cold_cache_run_keeps_its_budget(tmp_path):
     report = summary["extensions"]["adacc"]
     assert report["over_budget"] is False and summary["peak_memory_bytes"] <= budget
     assert report["decisions"] != {"keep": 52}  # the budget made Adacc save memory
-    assert ProfileDB(tmp_path / "profile.sqlite").get_baseline(1, "micro_batch_size=8") is not None
+    run_key = "micro_batch_size=8,MALLOC_MMAP_THRESHOLD_=65536"  # a baseline holds for one allocator setting
+    assert ProfileDB(tmp_path / "profile.sqlite").get_baseline(1, run_key) is not None
 
 
 def test_cold_and_warm_profile_caches_train_bit_for_bit(tmp_path, monkeypatch):
@@ -71,7 +72,9 @@ def test_without_a_host_that_runs_training_the_resident_size_is_counted(tmp_path
     assert "not in it" in logs[-1]
 
 
-def test_a_stored_calibration_is_reused(tmp_path):
+def test_a_stored_calibration_is_reused(tmp_path, monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
     db = ProfileDB(tmp_path / "p.sqlite")
     db.put_baseline(7, "micro_batch_size=4", 400 * 2**20)
     args = parse_train_args(["--micro-batch-size", "4"])
@@ -80,6 +83,8 @@ def test_a_stored_calibration_is_reused(tmp_path):
     assert auto.process_baseline(args, None, ref, 1, logs.append) == 400 * 2**20
     assert "calibrated for micro_batch_size=4 on profile #7" in logs[-1]
     assert db.get_baseline(7, "micro_batch_size=8") is None
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # another allocator setting: not this calibration
+    assert auto._run_key(args) == "micro_batch_size=4,MALLOC_MMAP_THRESHOLD_=65536"
 
 
 @pytest.mark.parametrize("peak, over", [(100, False), (10**12, True)])

@@ -125,10 +125,11 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
                      log: Callable[[str], None] = _log) -> int:
     """On the CPU the budget is peak RSS, which also counts what the cost model does not: the interpreter,
     torch, megatron-core, and the buffers the framework creates once training runs. The figure is calibrated
-    once per profile and micro-batch size, from a short keep-everything run of the user's own command that the
-    host runs in a child process (:mod:`megatron_adacc.core.host`): its measured peak minus the cost model's
-    prediction for it. Without a host that can run one, this process's resident size now (``resident``)."""
-    db, key = ProfileDB(ref["db"]), f"micro_batch_size={getattr(args, 'micro_batch_size', None)}"
+    once per profile, micro-batch size and allocator setting, from a short keep-everything run of the user's
+    own command that the host runs in a child process (:mod:`megatron_adacc.core.host`): its measured peak
+    minus the cost model's prediction for it. Without a host that can run one, this process's resident size
+    now (``resident``)."""
+    db, key = ProfileDB(ref["db"]), _run_key(args)
     baseline = db.get_baseline(int(ref["id"]), key)
     if baseline is None:
         _on_rank0(lambda: _calibrate(args, profile, ref, db, key, log))
@@ -141,6 +142,17 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
         "libraries) as static memory. Buffers created once training runs are not in it: keep "
         "--adacc-memory-headroom for them")
     return resident
+
+
+#: glibc's allocator settings: with the default ones peak RSS also keeps freed buffers (docs/measuring.md), so a
+#: process baseline holds only for runs under the same settings.
+_ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
+
+
+def _run_key(args: Any) -> str:
+    """What a calibrated process baseline depends on besides the profile: micro-batch size and allocator."""
+    allocator = ",".join(f"{name}={os.environ[name]}" for name in _ALLOCATOR_VARIABLES if name in os.environ)
+    return f"micro_batch_size={getattr(args, 'micro_batch_size', None)}" + (f",{allocator}" if allocator else "")
 
 
 def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: ProfileDB, key: str,
