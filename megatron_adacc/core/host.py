@@ -20,9 +20,9 @@ class Host:
     runs_training = False
     """Whether :meth:`peak_memory_bytes` can answer."""
 
-    def peak_memory_bytes(self, args: Any, **overrides: Any) -> int | None:
-        """Peak memory of a short training run of this host with ``args`` changed by ``overrides`` (run in a
-        process of its own), or None where the host cannot run one."""
+    def peak_memory_bytes(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> int | None:
+        """Peak memory of a short training run of this host with ``args`` changed by ``overrides``, run in a
+        process of its own with ``env`` added to its environment; None where the host cannot run one."""
         return None
 
 

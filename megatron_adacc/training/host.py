@@ -33,7 +33,7 @@ class TrainHost(Host):
     name = "adacc train"
     runs_training = True
 
-    def peak_memory_bytes(self, args: Any, **overrides: Any) -> int | None:
+    def peak_memory_bytes(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> int | None:
         child_args = SimpleNamespace(**{**vars(args), **_QUIET, **overrides})
         buf = io.BytesIO()
         torch.save(child_args, buf)
@@ -42,7 +42,7 @@ class TrainHost(Host):
             path = fh.name
         try:
             proc = subprocess.run([sys.executable, "-m", __name__, path], stdout=subprocess.PIPE, stderr=None,
-                                  text=True, env=solo_environment())
+                                  text=True, env={**solo_environment(), **(env or {})})
         finally:
             os.unlink(path)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

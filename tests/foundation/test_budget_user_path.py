@@ -39,15 +39,21 @@ def _adacc_train(flags: list[str], db: Path, out: Path) -> dict:
 
 
 def test_a_cold_cache_run_keeps_its_budget(tmp_path):
-    """The tiny config between its smallest feasible budget (~392 MiB) and stock Megatron's peak (~459 MiB)."""
+    """The tiny config between its smallest feasible budget (~392 MiB) and stock Megatron's peak (~459 MiB).
+
+    Before the fix, cpu-large at 917 MiB peaked at 1512 MiB (65% over). The cost model predicts tiny's
+    mixed policies to within about 1.5% of the measured peak (the outlier codecs' sizes move with the data, and
+    two test workers running beside each other move the peak too), so the test leaves 3% headroom: it
+    checks the budget is kept, not the model's last percent (issue 18, item 1)."""
     budget = 440 * 2**20
-    summary = _adacc_train(["--adacc-policy", "auto", "--adacc-memory-budget", str(budget), *FEW],
+    summary = _adacc_train(["--adacc-policy", "auto", "--adacc-memory-budget", str(budget),
+                            "--adacc-memory-headroom", "0.03", *FEW],
                            tmp_path / "profile.sqlite", tmp_path / "run.json")
     report = summary["extensions"]["adacc"]
-    assert report["over_budget"] is False and summary["peak_memory_bytes"] <= budget
+    figures = {k: report[k] for k in ("peak_bytes", "predicted_peak_bytes", "budget_bytes")}
+    assert report["over_budget"] is False and summary["peak_memory_bytes"] <= budget, figures
     assert report["decisions"] != {"keep": 52}  # the budget made Adacc save memory
-    run_key = "micro_batch_size=8,MALLOC_MMAP_THRESHOLD_=65536"  # a baseline holds for one allocator setting
-    assert ProfileDB(tmp_path / "profile.sqlite").get_baseline(1, run_key) is not None
+    assert ProfileDB(tmp_path / "profile.sqlite").get_baseline(1, auto._run_key(parse_train_args([]))) is not None
 
 
 def test_cold_and_warm_profile_caches_train_bit_for_bit(tmp_path, monkeypatch):
@@ -72,19 +78,15 @@ def test_without_a_host_that_runs_training_the_resident_size_is_counted(tmp_path
     assert "not in it" in logs[-1]
 
 
-def test_a_stored_calibration_is_reused(tmp_path, monkeypatch):
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_stored_calibration_is_reused(tmp_path):
     db = ProfileDB(tmp_path / "p.sqlite")
-    db.put_baseline(7, "micro_batch_size=4", 400 * 2**20)
     args = parse_train_args(["--micro-batch-size", "4"])
+    db.put_baseline(7, auto._run_key(args), 400 * 2**20)
     logs: list[str] = []
     ref = {"db": str(db.path), "id": 7}
     assert auto.process_baseline(args, None, ref, 1, logs.append) == 400 * 2**20
-    assert "calibrated for micro_batch_size=4 on profile #7" in logs[-1]
-    assert db.get_baseline(7, "micro_batch_size=8") is None
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # another allocator setting: not this calibration
-    assert auto._run_key(args) == "micro_batch_size=4,MALLOC_MMAP_THRESHOLD_=65536"
+    assert "calibrated for micro_batch_size=4" in logs[-1] and "on profile #7" in logs[-1]
+    assert db.get_baseline(7, auto._run_key(parse_train_args(["--micro-batch-size", "8"]))) is None
 
 
 @pytest.mark.parametrize("peak, over", [(100, False), (10**12, True)])

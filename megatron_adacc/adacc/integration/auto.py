@@ -125,10 +125,10 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
                      log: Callable[[str], None] = _log) -> int:
     """On the CPU the budget is peak RSS, which also counts what the cost model does not: the interpreter,
     torch, megatron-core, and the buffers the framework creates once training runs. The figure is calibrated
-    once per profile, micro-batch size and allocator setting, from a short keep-everything run of the user's
-    own command that the host runs in a child process (:mod:`megatron_adacc.core.host`): its measured peak
-    minus the cost model's prediction for it. Without a host that can run one, this process's resident size
-    now (``resident``)."""
+    once per profile and micro-batch size, from a short keep-everything run of the user's own command that the
+    host runs in a child process (:mod:`megatron_adacc.core.host`) under :data:`LOW_FRAGMENTATION_MALLOC`: its
+    measured peak minus the cost model's prediction for it. Without a host that can run one, this process's
+    resident size now (``resident``)."""
     db, key = ProfileDB(ref["db"]), _run_key(args)
     baseline = db.get_baseline(int(ref["id"]), key)
     if baseline is None:
@@ -144,15 +144,15 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
     return resident
 
 
-#: glibc's allocator settings: with the default ones peak RSS also keeps freed buffers (docs/measuring.md), so a
-#: process baseline holds only for runs under the same settings.
-_ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
+#: The allocator setting a process baseline is measured under. With glibc's default one, peak RSS also keeps
+#: freed buffers, which no memory model predicts and which vary run to run (docs/measuring.md); the budget
+#: on the CPU is live memory as peak RSS shows it under this setting, the one every memory benchmark uses.
+LOW_FRAGMENTATION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _run_key(args: Any) -> str:
-    """What a calibrated process baseline depends on besides the profile: micro-batch size and allocator."""
-    allocator = ",".join(f"{name}={os.environ[name]}" for name in _ALLOCATOR_VARIABLES if name in os.environ)
-    return f"micro_batch_size={getattr(args, 'micro_batch_size', None)}" + (f",{allocator}" if allocator else "")
+    """What a calibrated process baseline depends on besides the profile."""
+    return f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536"
 
 
 def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: ProfileDB, key: str,
@@ -170,8 +170,8 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
         path = str(save_policy(keep_all, os.path.join(tmp, "keep-all.json")))
         log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
             "in a child process, once per profile and micro-batch size")
-        peak = runner.peak_memory_bytes(args, adacc_policy=path, train_iters=2, adacc_no_evolution=True,
-                                        adacc_predict_memory=False,
+        peak = runner.peak_memory_bytes(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy=path, train_iters=2,
+                                        adacc_no_evolution=True, adacc_predict_memory=False,
                                         adacc_memory_budget=None, adacc_process_baseline_bytes=None)
     if peak is None:
         log("calibration run failed; its error is above")

@@ -9,6 +9,7 @@ final norm, logits, loss) itself and adds the layers' bytes as the runtime measu
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from contextlib import AbstractContextManager
 from typing import Any
@@ -89,13 +90,19 @@ class AdaccExtension(TrainingExtension):
         """The run's peak against its budget; a run over budget says so loudly, with the figures."""
         if self.budget_bytes is None or not self._params:
             return {}
-        peak = peak_memory_bytes(self._params[0].device)
+        device = self._params[0].device
+        peak = peak_memory_bytes(device)
         over = peak > self.budget_bytes
         if over:
             guess = f", the solver predicted {format_bytes(predicted_peak)}" if predicted_peak else ""
+            fix = ("Lower --adacc-memory-budget by the difference or raise --adacc-memory-headroom, and please "
+                   "report the figures.")
+            if device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+                fix = ("On the CPU the budget counts live memory as peak RSS shows it with "
+                       "MALLOC_MMAP_THRESHOLD_=65536; glibc's default allocator also keeps freed buffers "
+                       "(docs/measuring.md). Set it, or " + fix[0].lower() + fix[1:])
             print(f"\n[adacc] WARNING: this run peaked at {format_bytes(peak)}, OVER its memory budget of "
-                  f"{format_bytes(self.budget_bytes)}{guess}. Lower --adacc-memory-budget by the difference or "
-                  "raise --adacc-memory-headroom, and please report the figures.\n", file=sys.stderr, flush=True)
+                  f"{format_bytes(self.budget_bytes)}{guess}. {fix}\n", file=sys.stderr, flush=True)
         return {"budget_bytes": self.budget_bytes, "peak_bytes": peak, "predicted_peak_bytes": predicted_peak,
                 "over_budget": over}
 
