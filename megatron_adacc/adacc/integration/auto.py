@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from megatron_adacc.adacc.integration import profile_child
 from megatron_adacc.adacc.policy.io import load_policy
 from megatron_adacc.adacc.policy.policy import Policy, preset_key
 from megatron_adacc.adacc.policy.profile import LayerProfile
@@ -50,30 +51,17 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
         pid, profile = found
         log(f"reusing profile #{pid} from {db.path} ({profile.device})")
         return profile, db.reference(pid, profile)
-    return _profile_here(args, config, device, db, log)
-
-
-def _profile_here(args: Any, config: Any, device: torch.device, db: ProfileDB,
-                  log: Callable[[str], None]) -> tuple[LayerProfile, dict[str, Any]]:
-    from megatron_adacc.adacc.integration.profiler import device_name, profile_layer
-    from megatron_adacc.adacc.integration.sample import layer_sample
-
-    log(f"profiling one layer on {device_name(device)} (stored in {db.path})")
-    profile = profile_layer(layer_sample(args, config, device), args, config, device=device, log=log)
-    pid = db.put(profile)
-    return profile, db.reference(pid, profile)
+    return profile_child.profile_and_store(args, config, device, db, log)
 
 
 def _profile_isolated(args: Any, config: Any, device: torch.device, db: ProfileDB,
                       log: Callable[[str], None]) -> None:
     """Profile in a child process into ``db``; in this process when the arguments cannot be handed over."""
-    from megatron_adacc.adacc.integration import profile_child
-
     data = profile_child.payload(args, config)
     if data is None:
         log("profiling in this process: its arguments cannot be handed to a child process (its peak memory "
             "then counts against the budget of this run)")
-        _profile_here(args, config, device, db, log)
+        profile_child.profile_and_store(args, config, device, db, log)
         return
     log("profiling in a child process (its memory and random numbers stay out of this run)")
     profile_child.profile_in_child(data, log)

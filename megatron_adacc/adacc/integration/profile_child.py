@@ -24,7 +24,22 @@ from typing import Any
 
 import torch
 
+from megatron_adacc.adacc.policy.profile import LayerProfile
+from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.compat import process
+from megatron_adacc.core.devices import resolve_device
+
+
+def profile_and_store(args: Any, config: Any, device: torch.device, db: ProfileDB,
+                      log: Callable[[str], None]) -> tuple[LayerProfile, dict[str, Any]]:
+    """Profile one layer of this model here, in this process, and store the profile in ``db``."""
+    from megatron_adacc.adacc.integration.profiler import device_name, profile_layer
+    from megatron_adacc.adacc.integration.sample import layer_sample
+
+    log(f"profiling one layer on {device_name(device)} (stored in {db.path})")
+    profile = profile_layer(layer_sample(args, config, device), args, config, device=device, log=log)
+    pid = db.put(profile)
+    return profile, db.reference(pid, profile)
 
 
 def payload(args: Any, config: Any) -> bytes | None:
@@ -57,14 +72,12 @@ def profile_in_child(data: bytes, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def main(path: str) -> None:
-    from megatron_adacc.adacc.integration.auto import get_or_make_profile
-    from megatron_adacc.core.devices import resolve_device
-
     data = torch.load(path, weights_only=False)  # written by this package's parent process a moment ago
     args, config = data["args"], data["config"]
     device = resolve_device(getattr(args, "device", "auto"))
     process.initialize(device, int(getattr(args, "seed", 0) or 0))
-    _, ref = get_or_make_profile(args, config)
+    log = lambda message: print(f"[adacc] {message}", file=sys.stderr, flush=True)  # noqa: E731
+    _, ref = profile_and_store(args, config, device, ProfileDB(getattr(args, "adacc_profile_db", None)), log)
     print(json.dumps(ref), flush=True)
     process.shutdown()
 
