@@ -82,6 +82,8 @@ def _set_up(args: SimpleNamespace) -> _Run:
     extensions' hooks), and set the extensions up. The order is fixed: it decides the random streams."""
     enabled = features.enabled(args)
     core_features.check(enabled, args)
+    for feature in enabled:
+        feature.preflight(args)
     model_lib.check_supported(args)
     device = distributed.resolve_device(args.device)
     rank, world = distributed.initialize(device, args.seed)

@@ -39,3 +39,12 @@ def test_adacc_and_megatron_recompute_are_exclusive():
     with pytest.raises(AdaccError, match="--recompute-granularity"):
         train(parse_train_args(SMALL + ["--adacc-policy", "keep", "--recompute-granularity", "full",
                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]))
+
+
+def test_a_missing_policy_file_is_one_line_and_exit_2(capsys, tmp_path):
+    from megatron_adacc import cli
+
+    assert cli.main(["train", "--adacc-policy", str(tmp_path / "nope.json"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("adacc: --adacc-policy") and "make one with `adacc solve`" in err[-1]
+    assert not any(line.startswith("Traceback") for line in err)

@@ -16,7 +16,7 @@ from typing import Any
 from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME, Action
 from megatron_adacc.adacc.policy.policy import Decision, Policy
 from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS, check_signature
-from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.errors import AdaccError, InputNotFound
 
 FORMAT = "megatron-adacc-policy"
 SCHEMA_VERSION = 1
@@ -192,7 +192,7 @@ def load_policy(path: str | os.PathLike, *, signature: dict[str, Any] | None = N
     """Read and validate a policy file; with ``signature``, refuse a policy made for another model."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"policy file {str(path)!r} does not exist (make one with `adacc solve`, or "
+        raise InputNotFound(f"policy file {str(path)!r} does not exist (make one with `adacc solve`, or "
                                 "use --adacc-policy auto|keep|recompute|quantize-all)")
     try:
         obj = json.loads(path.read_text())
