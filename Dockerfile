@@ -43,7 +43,7 @@ RUN bash "${ADACC_DIR}/scripts/apply_patches.sh" "${MEGATRON_DIR}" \
 # TORCH_CUDA_ARCH_LIST make the build compile the CUDA kernels for every listed architecture anyway.
 COPY . ${ADACC_DIR}
 WORKDIR ${ADACC_DIR}
-RUN pip install --no-cache-dir "pulp>=2.8" \
+RUN pip install --no-cache-dir "pulp>=2.8,<4" \
     && MAX_JOBS="$(nproc)" pip install --no-cache-dir --no-build-isolation --no-deps -e "${ADACC_DIR}"
 
 # Build-time checks: the patched entry point imports our package, and every requested architecture is in

@@ -30,7 +30,7 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q "$(MCORE)" pulp pybind11 numpy packaging tqdm setuptools wheel ninja
+	$(PY) -m pip install -q "$(MCORE)" "pulp>=2.7,<4" pybind11 numpy packaging tqdm setuptools wheel ninja
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 

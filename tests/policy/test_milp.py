@@ -311,3 +311,16 @@ def test_a_decompressed_tensor_counts_with_its_gradient_and_recomputed_ones_add_
     layers = [every] * problem.num_layers
     assert problem.total_memory(layers) == (problem.fixed_bytes + problem.num_layers * problem.layer_memory(every)
                                             + max(problem.workspace_bytes, 2 * max(saved[i] for i in compressible)))
+
+
+def test_a_pulp_without_cbc_is_refused_with_the_fix(monkeypatch):
+    """PuLP 4 (what pip picks on Python 3.12) no longer bundles CBC."""
+    import pulp
+
+    from megatron_adacc.adacc.policy.strategies.base import SolverUnavailable, cbc
+    from megatron_adacc.core.errors import AdaccError
+
+    monkeypatch.delattr(pulp, "PULP_CBC_CMD")
+    with pytest.raises(SolverUnavailable, match=r"pip install 'pulp>=2.7,<4'") as err:
+        cbc()
+    assert isinstance(err.value, AdaccError)

@@ -123,9 +123,18 @@ def run_cbc(prob: pulp.LpProblem) -> str:
 def cbc(**options: Any) -> pulp.LpSolver:
     """PuLP's bundled CBC binary, silent. PuLP 3.3 deprecates the bundled-binary class in favour of a
     separately installed CBC; the bundled one is what works offline, so its warning is silenced here."""
+    bundled = getattr(pulp, "PULP_CBC_CMD", None)
+    if bundled is None:  # PuLP 4 no longer ships CBC
+        raise SolverUnavailable(
+            f"PuLP {getattr(pulp, '__version__', '?')} has no bundled CBC solver, which Adacc's MILP uses; "
+            "install a PuLP that has it: pip install 'pulp>=2.7,<4'")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, **options)
+        return bundled(msg=False, **options)
+
+
+class SolverUnavailable(AdaccError, RuntimeError):
+    """The MILP solver megatron-adacc uses is not installed."""
 
 
 def picked(x: Sequence[Sequence[pulp.LpVariable]]) -> list[int]:
