@@ -7,9 +7,14 @@ importing this module (``adacc train --help``, the test helpers) does not load i
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
+from typing import Any
 
 import torch
 
@@ -83,3 +88,34 @@ def solo_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     for name in _LAUNCHER_VARIABLES:
         env.pop(name, None)
     return env
+
+
+def pickled(obj: Any) -> bytes | None:
+    """``obj`` as :func:`run_child` hands it over, or None when it cannot be pickled."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+    except Exception:  # noqa: BLE001  (any unpicklable attribute, e.g. of a host's Namespace)
+        return None
+    return buf.getvalue()
+
+
+def run_child(module: str, data: bytes, env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """Run ``python -m module PATH`` as its own world of one, PATH a file holding ``data`` (read it back with
+    :func:`load_payload`), with ``env`` added to its environment. Its standard error passes through as it
+    comes; returns the JSON object it printed last on standard output, or None when it failed."""
+    with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as fh:
+        fh.write(data)
+        path = fh.name
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, path], stdout=subprocess.PIPE, stderr=None,
+                              text=True, env={**solo_environment(), **(env or {})})
+    finally:
+        os.unlink(path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+
+
+def load_payload(path: str) -> Any:
+    """What :func:`run_child` handed to this process."""
+    return torch.load(path, weights_only=False)  # written by this package's parent process a moment ago

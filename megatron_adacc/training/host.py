@@ -8,18 +8,12 @@ arguments; prints ``{"peak_memory_bytes": N}`` as the last line of standard outp
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
-from megatron_adacc.compat.process import solo_environment
+from megatron_adacc.compat.process import load_payload, pickled, run_child
 from megatron_adacc.core.host import Host
 
 #: What a measuring run leaves out of the user's command: it writes nothing, evaluates nothing, shows nothing.
@@ -34,27 +28,15 @@ class TrainHost(Host):
     runs_training = True
 
     def peak_memory_bytes(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> int | None:
-        child_args = SimpleNamespace(**{**vars(args), **_QUIET, **overrides})
-        buf = io.BytesIO()
-        torch.save(child_args, buf)
-        with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as fh:
-            fh.write(buf.getvalue())
-            path = fh.name
-        try:
-            proc = subprocess.run([sys.executable, "-m", __name__, path], stdout=subprocess.PIPE, stderr=None,
-                                  text=True, env={**solo_environment(), **(env or {})})
-        finally:
-            os.unlink(path)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            return None
-        return int(json.loads(lines[-1])["peak_memory_bytes"])
+        data = pickled(SimpleNamespace(**{**vars(args), **_QUIET, **overrides}))
+        out = run_child(__name__, data, env) if data is not None else None
+        return None if out is None else int(out["peak_memory_bytes"])
 
 
 def main(path: str) -> None:
     from megatron_adacc.training.loop import train
 
-    args = torch.load(path, weights_only=False)  # written by this package's parent process a moment ago
+    args = load_payload(path)
     summary = train(args)
     print(json.dumps({"peak_memory_bytes": summary["peak_memory_bytes"]}), flush=True)
 

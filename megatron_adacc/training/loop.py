@@ -71,10 +71,8 @@ class _Run:
     ddp: torch.nn.Module
     optimizer: Any
     sampler: BatchSampler
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
+    params: list[torch.Tensor]
+    """The model's parameters, which the saved-tensor meter of every micro-batch leaves out."""
 
 
 def _set_up(args: SimpleNamespace) -> _Run:
@@ -98,7 +96,8 @@ def _set_up(args: SimpleNamespace) -> _Run:
                                               lambda chunks: model_lib.build_optimizer(args, chunks[0]))
     corpus = getattr(args, "corpus", "embedded")
     sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank, corpus=corpus)
-    run = _Run(args, device, rank, world, n_micro, extensions, model, ddp, optimizer, sampler)
+    run = _Run(args, device, rank, world, n_micro, extensions, model, ddp, optimizer, sampler,
+               list(model.parameters()))
     ctx = TrainingContext(args=args, config=config, model=[model], ddp_model=[ddp], optimizer=optimizer,
                           forward_backward=_gradient_probe(run))
     for ext in extensions:
@@ -138,12 +137,11 @@ def _train_step(run: _Run, iteration: int, saved_bytes: list[int]) -> tuple[floa
         ddp.zero_grad_buffer()
     optimizer.zero_grad()
     step_loss = torch.zeros((), device=run.device)
-    params = run.params
     for micro in range(n_micro):
         batch = next(run.sampler).to(run.device)
         sync = ddp.no_sync() if micro < n_micro - 1 and hasattr(ddp, "no_sync") else contextlib.nullcontext()
         with sync, contextlib.ExitStack() as stack:
-            meter = stack.enter_context(SavedTensorMeter(params))
+            meter = stack.enter_context(SavedTensorMeter(run.params))
             for ext in run.extensions:
                 stack.enter_context(ext.microbatch_context())
             loss = _forward_loss(ddp, batch)

@@ -13,12 +13,8 @@ the last line of standard output.
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -44,35 +40,21 @@ def profile_and_store(args: Any, config: Any, device: torch.device, db: ProfileD
 
 def payload(args: Any, config: Any) -> bytes | None:
     """The child's input, or None when ``args`` or ``config`` cannot be pickled (then profile in-process)."""
-    buf = io.BytesIO()
-    try:
-        torch.save({"args": args, "config": config}, buf)
-    except Exception:  # noqa: BLE001  (any unpicklable attribute of a host's Namespace)
-        return None
-    return buf.getvalue()
+    return process.pickled({"args": args, "config": config})
 
 
 def profile_in_child(data: bytes, log: Callable[[str], None]) -> dict[str, Any]:
     """Run the profiler in a child process on ``data`` (see :func:`payload`); returns the stored profile's
     reference. The child's log lines go to this process's standard error as they come."""
-    with tempfile.NamedTemporaryFile(suffix=".pt", delete=False) as fh:
-        fh.write(data)
-        path = fh.name
-    env = process.solo_environment()
-    try:
-        proc = subprocess.run([sys.executable, "-m", __name__, path], stdout=subprocess.PIPE, stderr=None,
-                              text=True, env=env)
-    finally:
-        os.unlink(path)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the profiler's child process failed (exit {proc.returncode}); its error is above. "
-                           "Run `adacc profile` with the same flags to see it alone")
-    return json.loads(lines[-1])
+    ref = process.run_child(__name__, data)
+    if ref is None:
+        raise RuntimeError("the profiler's child process failed; its error is above. Run `adacc profile` with "
+                           "the same flags to see it alone")
+    return ref
 
 
 def main(path: str) -> None:
-    data = torch.load(path, weights_only=False)  # written by this package's parent process a moment ago
+    data = process.load_payload(path)
     args, config = data["args"], data["config"]
     device = resolve_device(getattr(args, "device", "auto"))
     process.initialize(device, int(getattr(args, "seed", 0) or 0))
