@@ -44,6 +44,14 @@ def _outlier_z(text: str) -> float:
     return value
 
 
+def _codec_family(text: str) -> str:
+    from megatron_adacc.adacc.policy.ops import CODEC_FAMILIES
+
+    if text not in CODEC_FAMILIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(CODEC_FAMILIES)}")
+    return text
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("adacc", "Adacc: per-tensor keep / compress / recompute")
     # The presets are not imported here: adding flags must stay cheap (they are checked once the flag is on).
@@ -77,9 +85,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adacc-no-outlier-separation", action="store_true",
                    help="Compress the tensors that take outlier-separated INT4 (Linear, LayerNorm and GELU "
                         "inputs) with plain per-token INT4 instead: the paper's 'Adacc w/o outlier' ablation.")
-    g.add_argument("--adacc-codec", choices=("int4", "gact"), default="int4",
-                   help="Codec family for tensors the policy compresses: the paper's layer-specific INT4 "
-                        "codecs, or GACT's adaptive-bit stochastic quantizer.")
+    # default None (int4): argparse passes a string default through ``type``, which would import the policy code.
+    g.add_argument("--adacc-codec", type=_codec_family, default=None, metavar="int4|gact|none",
+                   help="Codec family for tensors the policy compresses: int4 (default), the paper's "
+                        "layer-specific INT4 codecs; gact, GACT's adaptive-bit stochastic quantizer; or none "
+                        "(auto only keeps or recomputes: lossless, training is bit-identical to stock Megatron).")
     g.add_argument("--adacc-predict-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="Profile each layer's per-op sizes at its first forward, to report predicted bytes beside "
                         "the measured ones. It costs one extra layer forward at step 1, which raises the peak, so "

@@ -324,3 +324,25 @@ def test_a_pulp_without_cbc_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(SolverUnavailable, match=r"pip install 'pulp>=2.7,<4'") as err:
         cbc()
     assert isinstance(err.value, AdaccError)
+
+
+def test_codec_none_keeps_or_recomputes_and_never_compresses() -> None:
+    """``--adacc-codec none``: the same MILP without compression. Where compression was chosen, the lossless
+    policy recomputes instead (it still fits the budget), and its predicted overhead is at least as large."""
+    from megatron_adacc.adacc.policy.ops import Action
+    from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
+
+    prof = analytic_profile(SIG)
+    probe = build_problem(prof, None)
+    lo = probe.min_feasible_budget(stash=True)
+    budget = lo + 0.3 * (probe.total_memory([[0] * probe.num_ops] * probe.num_layers, stash=True) - lo)
+    lossy, lossy_result = solve_policy(prof, budget, SolveOptions(headroom=0.0))
+    lossless, lossless_result = solve_policy(prof, budget, SolveOptions(headroom=0.0, codec_family="none"))
+    assert lossy.counts()[Action.COMPRESS] > 0
+    counts = lossless.counts()
+    assert counts[Action.COMPRESS] == 0 and counts[Action.KEEP] > 0 and counts[Action.RECOMPUTE] > 0
+    assert lossless_result.predicted_memory_bytes <= budget
+    assert lossless_result.predicted_time_s >= lossy_result.predicted_time_s
+    assert lossless.summary() == f"{counts[Action.KEEP]} keep, {counts[Action.RECOMPUTE]} recompute"
+    with pytest.raises(ValueError, match="int4, gact, none"):
+        solve_policy(prof, budget, SolveOptions(codec_family="fp8"))

@@ -99,6 +99,10 @@ and messages list them: the ops' layer-specific codecs first, then the others in
 assert {c for op in OPS for c in op.codecs} <= set(CODECS), "an op names a codec the codec registry lacks"
 
 OUTLIER_CODEC = "int4_outlier"
+
+#: ``--adacc-codec``: what the tensors a solved policy compresses use; ``none`` compresses nothing (each tensor
+#: is kept or recomputed, so training is bit-identical to stock Megatron).
+CODEC_FAMILIES = ("int4", "gact", "none")
 """The outlier-separated codec whose compression ratio drifts during training (section 3.4)."""
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_adacc.adacc.policy.cost_model import Problem, build_problem
-from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC
+from megatron_adacc.adacc.policy.ops import CODEC_FAMILIES, OUTLIER_CODEC, Action
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, SolveResult, solve
@@ -20,7 +20,8 @@ class SolveOptions:
     codecs: str = "default"
     """``default``: the paper's layer-specific codec per op; ``all``: every applicable codec measured."""
     codec_family: str = "int4"
-    """``int4`` (the paper's codecs) or ``gact`` (GACT's stochastic quantizer for every compressed tensor)."""
+    """``int4`` (the paper's codecs), ``gact`` (GACT's stochastic quantizer for every compressed tensor) or
+    ``none`` (no compression: each tensor is kept or recomputed, so training math is exactly stock Megatron's)."""
     outlier_z: float = 3.0
     outlier_separation: bool = True
     """False: tensors whose paper codec is outlier-separated INT4 get plain per-token INT4 instead (the
@@ -47,14 +48,16 @@ class SolveOptions:
 
 def make_problem(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions,
                  *, num_layers: int | None = None) -> Problem:
-    if options.codec_family not in ("int4", "gact"):
-        raise ValueError(f"codec family must be int4 or gact, got {options.codec_family!r}")
+    if options.codec_family not in CODEC_FAMILIES:
+        raise ValueError(f"codec family must be one of {', '.join(CODEC_FAMILIES)}, got {options.codec_family!r}")
+    lossless = options.codec_family == "none"
     return build_problem(
         profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
         static_bytes=profile.static_bytes + options.process_baseline_bytes,
         only_codec="stochastic" if options.codec_family == "gact" else None,
         codec_params={OUTLIER_CODEC: {"z_threshold": float(options.outlier_z)}},
         codec_substitutes=None if options.outlier_separation else {OUTLIER_CODEC: "int4_symmetric"},
+        allow=(lambda op, decision: decision.action != Action.COMPRESS) if lossless else None,
     )
 
 
