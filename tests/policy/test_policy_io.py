@@ -147,3 +147,15 @@ def test_published_schema_accepts_a_written_policy() -> None:
         for d in layer["decisions"]:
             if d["action"] == "compress":
                 assert d["codec"] in allowed[d["op"]]
+
+
+def test_a_pipeline_stage_takes_its_slice_of_a_whole_model_policy() -> None:
+    layers = [Policy.all_keep(1).layers[0], Policy.all_recompute(1).layers[0], Policy.quantize_all(1).layers[0]]
+    whole = Policy(layers=[list(x) for x in layers], predicted={"memory_bytes": 1.0})
+    stage = whole.stage(1, 2)
+    assert stage.layers == [layers[1], layers[2]] and stage.predicted == {}
+    assert whole.num_layers == 3 and whole.predicted  # the whole-model policy is untouched
+    assert isinstance(stage.layers[0][0], Decision)
+    for first, count in ((2, 2), (-1, 1), (0, 0)):
+        with pytest.raises(ValueError, match="not within this policy's 3 layers"):
+            whole.stage(first, count)

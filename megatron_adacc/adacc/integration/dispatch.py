@@ -95,6 +95,13 @@ def _resolve(block: Any, spec: Any) -> Any:
         setattr(block.config, _CONFIG_ATTR, policy)
         accounting.set_policy(policy)
         return policy
+    first = getattr(block.layers[0], "layer_number", 1) - 1 if n else 0  # global, 1-based in megatron-core
+    if spec.num_layers == block.config.num_layers and spec.num_layers != n:
+        # A policy of the whole model under pipeline parallelism: this stage runs its own layers' slice.
+        policy = spec.stage(first, n)
+        setattr(block.config, _CONFIG_ATTR, policy)
+        accounting.set_policy(policy)
+        return policy
     if spec.num_layers != n:
         raise UnsupportedConfigError(
             f"the Adacc policy has {spec.num_layers} layers but this model (pipeline stage) has {n}; make the "

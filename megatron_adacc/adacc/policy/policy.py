@@ -123,6 +123,18 @@ class Policy:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def counts(self) -> dict[Action, int]:
+        """How many saved tensors each action covers, over every layer."""
+        found = {action: 0 for action in Action}
+        for layer in self.layers:
+            for d in layer:
+                found[d.action] += 1
+        return found
+
+    def summary(self) -> str:
+        """``18 keep, 4 compress, 4 recompute`` (actions that occur)."""
+        return ", ".join(f"{n} {action.value}" for action, n in self.counts().items() if n)
+
     def decision(self, layer: int, op: str) -> Decision:
         return self.layers[layer][OP_NAMES.index(op)]
 
@@ -134,6 +146,16 @@ class Policy:
 
     def copy(self) -> Policy:
         return copy.deepcopy(self)
+
+    def stage(self, first: int, count: int) -> Policy:
+        """The decisions of layers ``first .. first + count - 1``: what one pipeline stage of the model this
+        policy was made for installs. The whole-model prediction does not carry over to a stage."""
+        if first < 0 or count < 1 or first + count > self.num_layers:
+            raise ValueError(f"layers {first}..{first + count - 1} are not within this policy's "
+                             f"{self.num_layers} layers")
+        part = copy.deepcopy(self)
+        part.layers, part.predicted = part.layers[first:first + count], {}
+        return part
 
     # ---------------------------------------------------------------------------------- construction
     @classmethod
