@@ -18,6 +18,7 @@ from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
 from megatron_adacc.core.devices import resolve_device
+from megatron_adacc.core.errors import AdaccError
 
 
 def _log(msg: str) -> None:
@@ -101,12 +102,48 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
         args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
     options = SolveOptions.from_args(args)
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
-    policy, result = solve_policy(profile, budget, options, profile_ref=ref,
-                                  signature=model_signature(config, args))
-    log(f"policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms: predicted "
-        f"{result.predicted_memory_bytes / 2**30:.3f} GiB of {budget / 2**30:.3f} GiB, "
-        f"overhead {result.predicted_time_s * 1e3:.1f} ms per micro-batch")
-    return policy
+
+    def solve() -> Policy:
+        policy, result = solve_policy(profile, budget, options, profile_ref=ref,
+                                      signature=model_signature(config, args))
+        log(f"policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms ({policy.summary()}): "
+            f"predicted {result.predicted_memory_bytes / 2**30:.3f} GiB of {budget / 2**30:.3f} GiB, "
+            f"overhead {result.predicted_time_s * 1e3:.1f} ms per micro-batch")
+        return policy
+
+    return solved_on_rank0(solve)
+
+
+class RankZeroRefusal(AdaccError):
+    """Rank 0 refused to make the policy (its message says why); the other ranks stop with the same words."""
+
+
+def solved_on_rank0(solve: Callable[[], Policy]) -> Policy:
+    """``solve()`` on rank 0, its policy broadcast to every rank.
+
+    Ranks whose profiles or timings differ would otherwise solve different policies, and a
+    data-parallel group must run one. A refusal on rank 0 reaches the other ranks too, instead of leaving them
+    waiting in the broadcast.
+    """
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return solve()
+    from megatron_adacc.adacc.policy.io import policy_from_json, policy_to_json
+
+    box: list[Any] = [None]
+    failure: AdaccError | None = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            box[0] = ("policy", policy_to_json(solve()))
+        except AdaccError as exc:
+            failure, box[0] = exc, ("refused", str(exc))
+    torch.distributed.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    kind, payload = box[0]
+    if kind == "refused":
+        raise RankZeroRefusal(payload)
+    return policy_from_json(payload)
 
 
 def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resident: int,
