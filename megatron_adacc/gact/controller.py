@@ -300,9 +300,15 @@ class Controller:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, **self.allocator.state_dict(), "adaptations": self.adaptations}
+        # The pass count seeds the stochastic rounding of every later pass; the monitor's moving averages feed
+        # the variance check: a resumed run needs both to continue as the straight one does.
+        return {"iteration": self.iteration, **self.allocator.state_dict(), "adaptations": self.adaptations,
+                "passes": self.compressor.passes, "monitor": self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.allocator.load_state_dict(state)
         self.adaptations = int(state["adaptations"])
+        if "passes" in state:  # absent from checkpoints written before it was saved
+            self.compressor.passes = int(state["passes"])
+            self.monitor.load_state_dict(state["monitor"])

@@ -8,7 +8,8 @@ adaptation the allocator's predicted compression variance ``sum_l c_l S(b_l)`` i
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -55,6 +56,15 @@ class GradientVarianceMonitor:
             dist += float(torch.linalg.vector_norm(buf / self._corr - g.float(), dtype=torch.float64) ** 2)
         self._var = self._var * m + (1 - m) * dist
         self.observations += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": [None if b is None else b.clone() for b in self._mean], "corr": self._corr,
+                "var": self._var, "observations": self.observations}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._mean = [None if b is None else b.clone() for b in state["mean"]]
+        self._corr, self._var = float(state["corr"]), float(state["var"])
+        self.observations = int(state["observations"])
 
     @property
     def variance(self) -> float:

@@ -2,13 +2,16 @@
 
 The patch calls :func:`configure` once, right after ``parse_and_validate_args``. With every megatron-adacc
 flag at its "off" value it returns ``None`` having imported, installed and changed nothing, so the run is the
-stock one. Otherwise it checks the flag combination and wraps three functions of
+stock one. Otherwise it checks the flag combination and wraps four functions of
 ``megatron.training.training`` (each wrapper idempotent, with the original kept as ``__wrapped__``)
 and, for ``--adama``, one of the model builder:
 
 * ``setup_model_and_optimizer``: after Megatron built the model chunks, the optimizer and loaded a checkpoint,
   :func:`attach` sets up the extensions the enabled features built (the registry,
   :mod:`megatron_adacc.features`, iterated exactly as ``adacc train`` does);
+* ``save_checkpoint``: writes the extensions' state beside Megatron's checkpoint, which the
+  ``setup_model_and_optimizer`` wrapper reads back when Megatron loaded one
+  (:mod:`megatron_adacc.megatron_lm.checkpoints`);
 * ``train_step``: calls the extensions' ``on_step_begin`` / ``on_step_end`` and enters their
   ``microbatch_context`` around every micro-batch's forward (saved-tensor hooks registered there also govern
   that micro-batch's backward, because autograd keeps the unpack hook with each saved tensor);
@@ -31,12 +34,14 @@ import inspect
 import itertools
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
 from megatron_adacc.core import features as core_features
 from megatron_adacc.core import patching
+from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.core.features import Feature, build_extensions
 from megatron_adacc.megatron_lm.features import check_combination, enabled_features
@@ -45,7 +50,7 @@ TRAINING_MODULE = "megatron.training.training"
 #: Where the model builder wraps chunks in DDP (replaced under ``--adama``).
 DIST_UTILS_MODULE = "megatron.training.models.dist_utils"
 #: The ``training.py`` names we wrap, and for which features.
-HOOKED_FUNCTIONS = ("setup_model_and_optimizer", "train_step", "get_megatron_optimizer")
+HOOKED_FUNCTIONS = ("setup_model_and_optimizer", "train_step", "get_megatron_optimizer", "save_checkpoint")
 
 _SESSION: Session | None = None
 
@@ -133,9 +138,10 @@ class Session:
     def probe_forward_backward(self) -> float:
         """``TrainingContext.forward_backward`` inside Megatron-LM: one forward and backward of a fixed batch.
 
-        The batch is the first micro-batch drawn from the training iterator at the first probe (so one
-        micro-batch of the stream is used for probing only) and is replayed on every later call, because GACT's
-        sensitivity estimate compares gradient evaluations that may differ only in a compressor's seed. The
+        The batch is the next training micro-batch at the first probe, peeked: Megatron's ``RerunDataIterator``
+        gets it back in front of its stream, so training sees the same data as without the probe. It is
+        replayed on every later call (GACT's sensitivity estimate compares gradient evaluations that may differ
+        only in a compressor's seed) and saved with checkpoints, so a resumed run probes the same batch. The
         backward runs under every chunk's ``no_sync()``: gradients stay local, as in ``adacc train``, and no
         bucket reduction starts. The loss is Megatron-LM's ``loss_func`` result per token.
         """
@@ -145,7 +151,7 @@ class Session:
         if isinstance(data_iterator, list):
             raise RuntimeError("the gradient probe does not support virtual pipeline stages (a list of iterators)")
         if self._probe_batch is None:
-            self._probe_batch = (next(data_iterator) if data_iterator is not None else None,)
+            self._probe_batch = (_peek(data_iterator),)
         batch = self._probe_batch[0]
         with contextlib.ExitStack() as stack:
             for chunk in model:
@@ -157,6 +163,15 @@ class Session:
             loss = result[0] / result[1].clamp(min=1) if len(result) == 3 else result[0]  # (sum, tokens, report)
             loss.backward()
         return float(loss.detach())
+
+    # -- checkpoints
+    def host_state(self) -> dict[str, Any]:
+        """What this session itself carries across a checkpoint (the gradient probe's batch)."""
+        return {"probe_batch": self._probe_batch[0]} if self._probe_batch is not None else {}
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        if "probe_batch" in state:
+            self._probe_batch = (state["probe_batch"],)
 
     # -- around every training step
     def on_step_begin(self, iteration: int) -> None:
@@ -189,6 +204,21 @@ class Session:
         return {getattr(e, "name", type(e).__name__): e.report() for e in self.extensions}
 
 
+def _peek(data_iterator: Any) -> Any:
+    """The next item of ``data_iterator``, left in front of its stream where the iterator allows it.
+
+    Megatron-LM wraps its data iterators in a ``RerunDataIterator`` (which its rerun state machine requires by
+    type), reading from ``.iterable``: that is where the item goes back. Any other iterator loses the item."""
+    if data_iterator is None:
+        return None
+    source = getattr(data_iterator, "iterable", None)
+    if source is None:
+        return next(data_iterator)
+    item = next(source)
+    data_iterator.iterable = itertools.chain([item], source)
+    return item
+
+
 def _print_rank0(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(message, flush=True)
@@ -208,6 +238,13 @@ def _patch_setup_model_and_optimizer(training: ModuleType) -> None:
             session = current_session()
             if session is not None and not session.attached:
                 session.attach(result[0], result[1])
+                # Megatron loaded its checkpoint above and set args.iteration; the features' state follows.
+                iteration = int(getattr(session.args, "iteration", 0) or 0)
+                if getattr(session.args, "load", None) and iteration > 0:
+                    from megatron_adacc.megatron_lm import checkpoints  # torch: only once a feature runs
+
+                    session.load_host_state(checkpoints.load(session.extensions, session.args.load, iteration,
+                                                             log=_print_rank0))
             return result
 
         return setup_model_and_optimizer
@@ -243,6 +280,26 @@ def _patch_train_step(training: ModuleType) -> None:
         return train_step
 
     patching.patch(training, "train_step", make, _WHY)
+
+
+def _patch_save_checkpoint(training: ModuleType) -> None:
+    """After Megatron saved checkpoint ``iteration``, save the features' state beside it
+    (:mod:`megatron_adacc.megatron_lm.checkpoints`). Non-persistent (local) checkpoints carry none."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
+            result = original(iteration, *args, **kwargs)
+            session = current_session()
+            if session is not None and session.extensions and not kwargs.get("non_persistent_ckpt", False):
+                from megatron_adacc.megatron_lm import checkpoints  # torch: only once a feature runs
+
+                checkpoints.save(session.extensions, session.args.save, int(iteration), session.host_state())
+            return result
+
+        return save_checkpoint
+
+    patching.patch(training, "save_checkpoint", make, _WHY)
 
 
 def _patch_get_megatron_optimizer(training: ModuleType) -> None:
@@ -290,6 +347,7 @@ def install_training_hooks(training: ModuleType, features: Iterable[Feature],
     features = list(features)
     _patch_setup_model_and_optimizer(training)
     _patch_train_step(training)
+    _patch_save_checkpoint(training)
     if core_features.needs_hook(features, "build_optimizer"):
         _patch_get_megatron_optimizer(training)
     if core_features.needs_hook(features, "wrap_model"):
@@ -308,6 +366,25 @@ def uninstall_training_hooks(training: ModuleType, dist_utils: ModuleType | None
 # ----------------------------------------------------------------------------------------- public API
 
 
+def _one_line_refusals() -> None:
+    """Print an :class:`AdaccError` that reaches the top of ``pretrain_gpt.py`` as one line (what is wrong and
+    the flag to change) instead of a traceback through Megatron's frames; every other exception keeps the
+    previous hook. Errors still propagate as exceptions, so callers and tests can catch them."""
+    previous = sys.excepthook
+    if getattr(previous, "__adacc_refusals__", False):
+        return
+
+    def excepthook(kind, value, traceback):
+        if isinstance(value, AdaccError):
+            print(f"megatron-adacc: {value}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, traceback)
+
+    excepthook.__adacc_refusals__ = True
+    sys.excepthook = excepthook
+
+
+
 def configure(args: Any, *, training: ModuleType | None = None,
               dist_utils: ModuleType | None = None) -> Session | None:
     """Called by the patched ``pretrain_gpt.py`` right after ``parse_and_validate_args``.
@@ -323,6 +400,7 @@ def configure(args: Any, *, training: ModuleType | None = None,
     if not features:
         _SESSION = None
         return None
+    _one_line_refusals()
     check_combination(args, features)
     session = Session(args, features)
     session.preflight()

@@ -35,6 +35,10 @@ class AdamAChunk(DistributedDataParallel):
         self.force_all_reduce = False
         self.bucket_groups: list = []
         self.expert_parallel_bucket_groups: list = []
+        # DDP's lists of gradient buffers (shadowing Module.buffers(), as DDP does): Megatron-LM walks them at
+        # exit to release NCCL memory pools.
+        self.buffers: list = []
+        self.expert_parallel_buffers: list = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -160,7 +160,7 @@ def check_supported(args: Any, config: Any = None) -> None:
             f"--adama cannot clip by the global gradient norm (--clip-grad {clip}): the mini-batch gradient "
             "is never materialised (each micro-batch gradient is folded into Adam's moments and freed during "
             "backward). Pass --clip-grad 0; to bound outliers, clip each parameter's micro-batch gradient "
-            "instead (args.adama_clip_grad_per_tensor / AdamA(clip_grad_per_tensor=...))."
+            "instead (--adama-clip-grad-per-tensor C; AdamA(clip_grad_per_tensor=C) from Python)."
         )
     if _arg(args, "fp16", False) or (config is not None and getattr(config, "fp16", False)):
         raise IntegrationError(

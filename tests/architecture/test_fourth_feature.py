@@ -75,8 +75,12 @@ def test_megatron_lm_parses_and_configures_it(registered):
     def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, iteration=0):
         return {}, False
 
+    def save_checkpoint(iteration, *args, **kwargs):
+        pass
+
     training = types.ModuleType("fake_training")
     training.setup_model_and_optimizer, training.train_step = setup_model_and_optimizer, train_step
+    training.save_checkpoint = save_checkpoint
     args = megatron_lm.extra_args_provider(None)(argparse.ArgumentParser()).parse_args(["--offload-activations"])
     try:
         session = megatron_lm.configure(args, training=training)

@@ -113,7 +113,7 @@ def make_fake_dist_utils() -> types.ModuleType:
 
 def make_fake_training(num_microbatches: int = 2, losses: dict | None = None,
                        dist_utils: types.ModuleType | None = None) -> types.ModuleType:
-    """A stand-in for ``megatron.training.training`` with the three functions our wrappers replace.
+    """A stand-in for ``megatron.training.training`` with the four functions our wrappers replace.
 
     ``train_step`` behaves like Megatron's schedule: it calls ``forward_step_func`` once per micro-batch and
     runs each backward *after* the forward step returned, outside whatever context the forward step entered.
@@ -157,7 +157,15 @@ def make_fake_training(num_microbatches: int = 2, losses: dict | None = None,
         reduced = losses if losses is not None else {"lm loss": torch.tensor(2.5)}
         return reduced, 0, False, False, 0, None, None, 0
 
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                        checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                        pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                        train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
+                        tp_group=None, pp_group=None, dp_cp_group=None):
+        training.calls.append(("save_checkpoint", iteration, non_persistent_ckpt))
+
     training.setup_model_and_optimizer = setup_model_and_optimizer
+    training.save_checkpoint = save_checkpoint
     training.get_megatron_optimizer = get_megatron_optimizer
     training.train_step = train_step
     return training
