@@ -10,7 +10,7 @@ MCORE  ?= megatron-core==0.16.1
 STAMP  := $(VENV)/.adacc-installed
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: demo test test-all lint bench-quick install clean
+.PHONY: demo test test-all test-megatron-lm lint bench-quick install clean
 
 demo: $(STAMP)
 	$(VENV)/bin/adacc train
@@ -20,6 +20,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	ADACC_REQUIRE_EXT=1 $(PY) -m pytest -n 2 --timeout 1800 -q
+
+# CI tier 2: Megatron-LM's real training loop (megatron-core 0.19.2's megatron.training, Python 3.12, PyPI only)
+# with every feature, compared bit for bit with stock Megatron (tests/megatron_lm_training).
+test-megatron-lm:
+	PY=$$(scripts/megatron_lm_env312.sh) && $$PY -m pytest tests/megatron_lm_training -q -p no:cacheprovider \
+	    --timeout 2400 -s
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_adacc tests

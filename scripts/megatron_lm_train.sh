@@ -80,6 +80,12 @@ common_flags=(
     --lr-decay-style cosine
 )
 
+# Without apex (a PyPI torch, many clusters' images; NGC's PyTorch containers have it) Megatron-LM stops with
+# "persist_layer_norm not supported by torch LayerNorm" and "fused_weight_gradient_mlp_cuda module is not found"
+# unless told not to use them.
+"$PYTHON" -c "import apex.normalization" 2>/dev/null || common_flags+=(--no-persist-layer-norm)
+"$PYTHON" -c "import fused_weight_gradient_mlp_cuda" 2>/dev/null || common_flags+=(--no-gradient-accumulation-fusion)
+
 nproc="${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}"
 set -x
 exec torchrun \

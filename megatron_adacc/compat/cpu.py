@@ -24,8 +24,8 @@ import types
 import megatron.core
 import torch
 
+from megatron_adacc.compat.cuda_stand_ins import CPU, CudaPresentError, NullEvent, NullStream, to_cpu_device
 from megatron_adacc.compat.versions import megatron_line
-from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.core.patching import mark, patch
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 #: Set on ``megatron.core`` once :func:`apply` has run. The layer is more than its function patches (each of
 #: which carries :mod:`megatron_adacc.core.patching`'s marker): module globals are swapped for the proxy too.
 _APPLIED_FLAG = "__megatron_adacc_cpu_patched__"
-_CPU = torch.device("cpu")
 
 #: Modules whose global ``torch`` is swapped for the proxy. Missing modules (other releases) are skipped.
 _PROXIED_MODULES = (
@@ -60,62 +59,18 @@ _PROXIED_MODULES = (
 )
 
 
-class CudaPresentError(AdaccError, RuntimeError):
-    """The CPU layer was asked to activate on a machine that has a CUDA device."""
-
-
-def _to_cpu_device(device):
-    if device is None:
-        return None
-    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
-        return _CPU
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return _CPU
-    return device
-
-
-class _NullStream:
-    """Stands in for a CUDA stream: all work on the CPU is already ordered."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return _NullEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _NullEvent(_NullStream):
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
 def _make_cuda_proxy() -> types.SimpleNamespace:
     real = torch.cuda
     proxy = types.SimpleNamespace()
     for name in dir(real):
         if not name.startswith("__"):
             setattr(proxy, name, getattr(real, name))
-    proxy.current_device = lambda: _CPU
+    proxy.current_device = lambda: CPU
     proxy.device_count = lambda: 0
-    proxy.Stream = _NullStream
-    proxy.Event = _NullEvent
-    proxy.current_stream = lambda device=None: _NullStream()
-    proxy.default_stream = lambda device=None: _NullStream()
+    proxy.Stream = NullStream
+    proxy.Event = NullEvent
+    proxy.current_stream = lambda device=None: NullStream()
+    proxy.default_stream = lambda device=None: NullStream()
     proxy.stream = lambda stream=None: contextlib.nullcontext()
     proxy.synchronize = lambda device=None: None
     proxy.empty_cache = lambda: None
@@ -126,7 +81,7 @@ def _make_cuda_proxy() -> types.SimpleNamespace:
 def _factory(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
-            kwargs["device"] = _to_cpu_device(kwargs["device"])
+            kwargs["device"] = to_cpu_device(kwargs["device"])
         return fn(*args, **kwargs)
 
     return mark(wrapper, fn)

@@ -22,7 +22,7 @@ from megatron_adacc.compat import quiet_fallback_warnings
 from megatron_adacc.training.data import VOCAB_SIZE, BatchSampler
 from megatron_adacc.training.distributed import free_port, initialize, set_seed
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TINY_CONFIG = dict(
     num_layers=2,

@@ -1,0 +1,395 @@
+"""The end-to-end matrix: Megatron-LM's training loop with and without megatron-adacc, compared bit for bit.
+
+    python -m megatron_adacc.testing.e2e --checkout PATCHED --unpatched UNPATCHED [--out FILE.md] [CASE...]
+    python -m megatron_adacc.testing.e2e [--out FILE.md] [CASE...]        # megatron-core's megatron.training
+
+One :class:`Case` is one training run (10 iterations of a 2-layer GPT on mock data, the command line of
+:data:`SMALL_GPT`). Each plugin case names the stock case it must reproduce: bit for bit (every iteration's
+loss and gradient norm, as ``float.hex``) where the math is exact, within a bound where it is lossy. Two
+launchers run the same cases:
+
+* :class:`EntryPoint`: this project's :mod:`megatron_adacc.testing.pretrain_gpt` over megatron-core's
+  ``megatron.training`` (the CI tier; ``--stock`` is the unpatched reference);
+* :class:`Checkout`: a Megatron-LM checkout's own ``pretrain_gpt.py``, patched and unpatched (the developer
+  tier, ``scripts/megatron_lm_cpu_e2e.sh``).
+
+Without a GPU, both run under :mod:`megatron_adacc.testing.megatron_lm_cpu`. Every rank's address space is
+capped (:data:`RANK_MEMORY_CAP_GIB`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_adacc.comm.options import SCHEMES
+from megatron_adacc.compat.process import free_port
+from megatron_adacc.testing.records import RECORD_ENV, read_records
+
+#: A 2-layer GPT, mock data, 2 micro-batches per step, no apex (the flags an apex-less image needs).
+SMALL_GPT = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-decay-style constant --min-lr 1e-3 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local "
+    "--distributed-backend gloo --log-interval 1 --eval-iters 0 --eval-interval 1000 --seed 1234 "
+    "--no-gradient-accumulation-fusion --no-persist-layer-norm"
+).split()
+ITERATIONS = 10
+#: RLIMIT_AS of every rank. A rank of the CUDA torch wheel reserves ~6 GiB of address space it never touches.
+RANK_MEMORY_CAP_GIB = float(os.environ.get("ADACC_E2E_RANK_CAP_GIB", "24"))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run and what it must reproduce."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    nproc: int = 1
+    stock: bool = False
+    """Run without megatron-adacc (the unpatched script)."""
+    reference: str | None = None
+    """The case whose records this one must match."""
+    loss_tolerance: float = 0.0
+    """0: bit-identical losses and gradient norms. Otherwise the largest allowed |loss - reference loss|."""
+    trains: bool = False
+    """No reference: every loss is finite and the last is below the first (lossy gradient communication)."""
+    iterations: int = ITERATIONS
+    resume_at: int | None = None
+    """Train to this iteration, save a checkpoint and exit; then load it and train to the end (two launches)."""
+    budget_from: str | None = None
+    """For ``auto``: the case whose budget probe this one reuses (default: its own)."""
+    profile_db: str = "profile"
+    """``--adacc-profile-db`` (a file of the work folder): cases that name the same one share profiles."""
+    fresh_profile: bool = False
+    """Empty the profile database first: ``auto`` profiles (cold cache)."""
+
+
+#: ``--resireduce`` schemes: every one the comm feature offers.
+RESIREDUCE_SCHEMES = tuple(s for s in SCHEMES if s != "none")
+#: AdamA never holds the mini-batch gradient, so Megatron's global clipping is off (``--clip-grad 0``).
+ADAMA = ("--adama", "--clip-grad", "0", "--ckpt-format", "torch")
+AUTO = ("--adacc-policy", "auto")
+#: GACT's adaptive bits, re-allocated every 2 iterations so that a resumed run depends on the saved widths.
+GACT = ("--gact-level", "L2", "--gact-adapt-interval", "2")
+
+
+def _is_auto(c: Case) -> bool:
+    return any(a == "--adacc-policy" and b == "auto" for a, b in zip(c.flags, c.flags[1:]))
+
+
+def _parallel(tp: int = 1, pp: int = 1) -> tuple[str, ...]:
+    return ("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp))
+
+
+#: The matrix. ``stock*`` are the references; ``auto-*`` budgets are placed by :func:`auto_budget_flags`.
+CASES: tuple[Case, ...] = (
+    Case("stock", stock=True),
+    Case("none", ("--adacc-policy", "none"), reference="stock"),
+    Case("keep", ("--adacc-policy", "keep"), reference="stock"),
+    Case("recompute", ("--adacc-policy", "recompute"), reference="stock"),
+    Case("auto-lossless", ("--adacc-policy", "auto", "--adacc-codec", "none"), reference="stock"),
+    Case("auto-int4", AUTO, reference="stock", loss_tolerance=0.05),
+    Case("stock-dp2", nproc=2, stock=True),
+    Case("none-dp2", ("--adacc-policy", "none"), nproc=2, reference="stock-dp2"),
+    Case("recompute-dp2", ("--adacc-policy", "recompute"), nproc=2, reference="stock-dp2"),
+    Case("stock-tp2", _parallel(tp=2), nproc=2, stock=True),
+    Case("recompute-tp2", (*_parallel(tp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-tp2"),
+    Case("stock-pp2", _parallel(pp=2), nproc=2, stock=True),
+    Case("recompute-pp2", (*_parallel(pp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-pp2"),
+    # Resuming: 5 iterations, save, exit; load, 5 more == 10 straight, bit for bit.
+    Case("stock-resume", stock=True, resume_at=5, reference="stock"),
+    Case("auto-int4-resume", AUTO, resume_at=5, reference="auto-int4", budget_from="auto-int4"),
+    *(Case(f"resireduce-{scheme}", ("--resireduce", scheme), nproc=2, trains=True) for scheme in RESIREDUCE_SCHEMES),
+    *(Case(f"resireduce-{scheme}-resume", ("--resireduce", scheme), nproc=2, resume_at=5,
+           reference=f"resireduce-{scheme}") for scheme in RESIREDUCE_SCHEMES),
+    # Profiling in a child process leaves this run's memory and random streams alone: a first run with an empty
+    # profile database equals the next run, which reuses its profile.
+    Case("auto-cold", AUTO, budget_from="auto-int4", profile_db="cold", fresh_profile=True, trains=True),
+    Case("auto-warm", AUTO, budget_from="auto-int4", profile_db="cold", reference="auto-cold"),
+    Case("adama", ADAMA, trains=True),
+    Case("adama-resume", ADAMA, resume_at=5, reference="adama"),
+    Case("gact", GACT, trains=True),
+    Case("gact-resume", GACT, resume_at=5, reference="gact"),
+)
+
+
+def case(name: str) -> Case:
+    for c in CASES:
+        if c.name == name:
+            return c
+    raise KeyError(f"no case {name!r}; known: {', '.join(c.name for c in CASES)}")
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def _versions(python: str) -> str:
+    found = subprocess.run([python, "-c", "import sys, torch; print(sys.version.split()[0], torch.__version__)"],
+                           capture_output=True, text=True).stdout.split()
+    return f"Python {found[0]}, torch {found[1]}" if len(found) == 2 else "versions unknown"
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """megatron-core's ``megatron.training`` driven by :mod:`megatron_adacc.testing.pretrain_gpt`."""
+
+    python: str = sys.executable
+
+    def command(self, c: Case) -> list[str]:
+        return ["-m", "megatron_adacc.testing.pretrain_gpt", *(["--stock"] if c.stock else [])]
+
+    def env(self, c: Case) -> dict[str, str]:
+        return {}
+
+    def describe(self) -> str:
+        import importlib.metadata
+
+        return f"megatron-core {importlib.metadata.version('megatron-core')} megatron.training, " \
+               f"megatron_adacc.testing.pretrain_gpt; {_versions(self.python)}"
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """A Megatron-LM checkout's ``pretrain_gpt.py``: ``patched`` for plugin cases, ``unpatched`` for stock."""
+
+    patched: Path
+    unpatched: Path
+    python: str = sys.executable
+
+    def command(self, c: Case) -> list[str]:
+        root = self.unpatched if c.stock else self.patched
+        return ["-m", "megatron_adacc.testing.megatron_lm_cpu", str(root / "pretrain_gpt.py")]
+
+    def env(self, c: Case) -> dict[str, str]:
+        # The checkout's megatron/ before any installed megatron-core, in the ranks and in the processes they
+        # start (Adacc's profiler child); this repository next.
+        root = self.unpatched if c.stock else self.patched
+        return {"PYTHONPATH": os.pathsep.join([str(root), str(Path(__file__).resolve().parents[2])])}
+
+    def describe(self) -> str:
+        commit = subprocess.run(["git", "-C", str(self.unpatched), "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown commit"
+        return (f"Megatron-LM checkout {commit}, pretrain_gpt.py patched by scripts/apply_patches.sh; "
+                f"{_versions(self.python)}")
+
+
+# ------------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class Run:
+    case: Case
+    returncode: int
+    wall_s: float
+    records: list[dict] = field(default_factory=list)
+    output: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and len(self.records) == self.case.iterations
+
+
+def _cap_address_space() -> None:
+    limit = int(RANK_MEMORY_CAP_GIB * 2**30)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: Sequence[str] = (),
+             timeout: float = 600) -> Run:
+    """Train ``c`` under ``launcher`` (twice for a resume case); records come from the last rank (the last
+    pipeline stage)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    record = workdir / c.name
+    for old in workdir.glob(f"{c.name}.rank*.jsonl"):
+        old.unlink()
+    flags = [*SMALL_GPT, "--train-iters", str(c.iterations), *c.flags, *extra]
+    if not c.stock:
+        db = workdir / f"{c.profile_db}.sqlite"
+        if c.fresh_profile:
+            db.unlink(missing_ok=True)
+        flags += ["--adacc-profile-db", str(db)]
+    if c.resume_at is None:
+        run = _launch(c, launcher, workdir, flags, timeout)
+    else:
+        checkpoints = workdir / f"{c.name}.checkpoints"
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        run = _launch(c, launcher, workdir, [*flags, "--save", str(checkpoints), "--save-interval",
+                                             str(c.resume_at), "--exit-interval", str(c.resume_at)], timeout)
+        if run.returncode == 0:
+            second = _launch(c, launcher, workdir, [*flags, "--load", str(checkpoints)], timeout)
+            run = Run(c, second.returncode, run.wall_s + second.wall_s, output=run.output + second.output)
+    (workdir / f"{c.name}.log").write_text(run.output)
+    last = c.nproc - 1
+    if Path(f"{record}.rank{last}.jsonl").exists():
+        run.records = read_records(record, last)
+    return run
+
+
+def _launch(c: Case, launcher: EntryPoint | Checkout, workdir: Path, flags: list[str], timeout: float) -> Run:
+    record = workdir / c.name
+    cmd = [launcher.python, "-m", "torch.distributed.run", f"--nproc_per_node={c.nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *launcher.command(c), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", RECORD_ENV: str(record), "PYTHONWARNINGS": "ignore",
+           "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron asserts it under TP, as its example scripts set it
+           **launcher.env(c)}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          preexec_fn=_cap_address_space)
+    return Run(c, proc.returncode, time.perf_counter() - start, output=proc.stdout + proc.stderr)
+
+
+_INFEASIBLE = re.compile(r"smallest feasible budget is ([\d,]+) bytes")
+
+
+_BUDGETS: dict[tuple, list[str]] = {}
+
+
+def auto_budget_flags(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -> list[str]:
+    """A budget inside the window where ``auto`` mixes its actions.
+
+    The process baseline is pinned (1 MiB) so that the budget covers the model only; a first run under a
+    1 MiB budget is refused by the solver, naming the smallest feasible budget (everything recomputed); the
+    case then gets 2 MiB more than that, between it and keeping everything (~5 MiB of activations here).
+    """
+    source = case(c.budget_from) if c.budget_from else c
+    key = (source.flags, source.nproc, launcher)
+    if key not in _BUDGETS:
+        _BUDGETS[key] = _probe_budget(source, launcher, workdir)
+    return _BUDGETS[key]
+
+
+def _probe_budget(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -> list[str]:
+    pinned = ["--adacc-process-baseline", "1MiB"]
+    probe = run_case(Case(f"{c.name}-probe", c.flags, c.nproc, iterations=1), launcher, workdir,
+                     extra=[*pinned, "--adacc-memory-budget", "1MiB"])
+    found = _INFEASIBLE.search(probe.output)
+    if found is None:
+        raise RuntimeError(f"{c.name}: the 1 MiB probe was not refused with the smallest feasible budget:\n"
+                           f"{probe.output[-3000:]}")
+    floor = int(found.group(1).replace(",", ""))
+    return [*pinned, "--adacc-memory-budget", str(floor + 2 * 2**20)]
+
+
+@dataclass
+class Comparison:
+    identical: bool
+    max_loss_diff: float
+    within: bool
+    note: str = ""
+
+
+def compare(run: Run, reference: Run) -> Comparison:
+    """``run`` against ``reference``, iteration by iteration."""
+    if not run.ok or not reference.ok:
+        failed = run if not run.ok else reference
+        return Comparison(False, float("nan"), False, f"{failed.case.name} failed (exit {failed.returncode}, "
+                                                       f"{len(failed.records)} iterations recorded)")
+    pairs = list(zip(run.records, reference.records))
+    identical = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in pairs)
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in pairs)
+    return Comparison(identical, diff, identical or diff <= run.case.loss_tolerance)
+
+
+# ----------------------------------------------------------------------------------------------- matrix
+
+
+def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: Path,
+               log=lambda message: print(message, file=sys.stderr, flush=True)) -> dict[str, Run]:
+    """Run ``cases`` and the references they name, each once."""
+    runs: dict[str, Run] = {}
+    wanted: list[str] = []
+
+    def want(c: Case) -> None:  # references first, transitively
+        if c.reference:
+            want(case(c.reference))
+        if c.name not in wanted:
+            wanted.append(c.name)
+
+    for c in cases:
+        want(c)
+    for name in wanted:
+        c = case(name)
+        extra = auto_budget_flags(c, launcher, workdir) if _is_auto(c) else []
+        runs[name] = run_case(c, launcher, workdir, extra=extra)
+        r = runs[name]
+        log(f"{name:16s} exit {r.returncode}  {len(r.records)} iterations  {r.wall_s:5.1f} s")
+    return runs
+
+
+def trains(run: Run) -> bool:
+    losses = [r["loss"] for r in run.records]
+    return run.ok and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def passed(run: Run, runs: dict[str, Run]) -> bool:
+    """Whether ``run`` meets its case's check (a reference case: it ran)."""
+    if run.case.trains:
+        return trains(run)
+    if run.case.reference:
+        return compare(run, runs[run.case.reference]).within
+    return run.ok
+
+
+def table(runs: dict[str, Run]) -> str:
+    """The bit-identity table, Markdown."""
+    lines = ["| case | flags | ranks | vs | result | max abs loss diff | wall (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, run in runs.items():
+        c = run.case
+        if c.trains:
+            losses = [r["loss"] for r in run.records]
+            verdict = (f"trains ({losses[0]:.3f} -> {losses[-1]:.3f})" if trains(run) else
+                       f"FAILED (exit {run.returncode}, losses {', '.join(f'{x:.3f}' for x in losses)})")
+            diff = ""
+        elif c.reference is None:
+            verdict, diff = ("reference" if run.ok else f"FAILED (exit {run.returncode})"), ""
+        else:
+            cmp = compare(run, runs[c.reference])
+            verdict = ("bit-identical" if cmp.identical else
+                       f"within {c.loss_tolerance}" if cmp.within else f"DIFFERS {cmp.note}".strip())
+            diff = f"{cmp.max_loss_diff:.3g}"
+        lines.append(f"| {name} | `{' '.join(c.flags) or '(stock)'}` | {c.nproc} | {c.reference or ''} | "
+                     f"{verdict} | {diff} | {run.wall_s:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_adacc.testing.e2e", description=__doc__.split("\n")[0])
+    parser.add_argument("cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--checkout", type=Path, help="patched Megatron-LM checkout")
+    parser.add_argument("--unpatched", type=Path, help="the same commit, unpatched")
+    parser.add_argument("--workdir", type=Path, default=Path("e2e-runs"))
+    parser.add_argument("--out", type=Path, help="write the table (Markdown) here too")
+    args = parser.parse_args(argv)
+    if (args.checkout is None) != (args.unpatched is None):
+        parser.error("--checkout and --unpatched go together")
+    launcher = Checkout(args.checkout.resolve(), args.unpatched.resolve()) if args.checkout else EntryPoint()
+    cases = [case(n) for n in args.cases] if args.cases else list(CASES)
+    runs = run_matrix(cases, launcher, args.workdir.resolve())
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = (f"# Megatron-LM end to end on CPU ({stamp}, {os.cpu_count()} cores, no GPU)\n\n{launcher.describe()}\n\n"
+            f"{ITERATIONS} iterations of `{' '.join(SMALL_GPT)}` per case.\n\n{table(runs)}\n")
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0 if all(passed(r, runs) for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

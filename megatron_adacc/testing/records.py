@@ -1,0 +1,54 @@
+"""Exact per-iteration records of a Megatron-LM training run, for bit-identity comparisons.
+
+Megatron logs its reduced ``lm loss`` and gradient norm rounded to a few digits; the end-to-end tests compare
+them exactly. :func:`record_iterations` wraps ``megatron.training.training.train_step`` and appends one JSON
+line per iteration to ``<path>.rank<R>.jsonl``, the two values as ``float.hex`` strings.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from types import ModuleType
+
+#: Environment variable naming the record path (set by the test runner, read by the entry points).
+RECORD_ENV = "ADACC_E2E_RECORD"
+_MARK = "__adacc_records__"
+
+
+def record_iterations(training: ModuleType, path: str) -> None:
+    """Wrap ``training.train_step`` to record every iteration's loss and gradient norm (idempotent)."""
+    original = training.train_step
+    if getattr(original, _MARK, False):
+        return
+    rank = int(os.environ.get("RANK", "0"))
+
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        result = original(*args, **kwargs)
+        losses, grad_norm = result[0], result[5]
+        loss = losses.get("lm loss") if isinstance(losses, dict) else None
+        record = {"iteration": int(kwargs.get("iteration") or 0) + 1,
+                  "loss": float(loss).hex() if loss is not None else None,
+                  "grad_norm": float(grad_norm).hex() if grad_norm is not None else None,
+                  "skipped": int(result[1])}
+        with open(f"{path}.rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return result
+
+    setattr(train_step, _MARK, True)
+    training.train_step = train_step
+
+
+def read_records(path: str | Path, rank: int) -> list[dict]:
+    """The records one rank wrote, with ``loss`` and ``grad_norm`` as floats (None where the rank has none)."""
+    rows = []
+    with open(f"{path}.rank{rank}.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            for key in ("loss", "grad_norm"):
+                row[key] = float.fromhex(row[key]) if row[key] is not None else None
+            rows.append(row)
+    return rows
