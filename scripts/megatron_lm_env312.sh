@@ -51,7 +51,13 @@ if [ ! -f "$VENV/.complete" ]; then
   "${PIP[@]}" "pulp>=2.7,<4" numpy packaging pybind11 tqdm setuptools wheel ninja psutil pytest pytest-timeout
   touch "$VENV/.complete"
 fi
-# CPU-only extension build (nvcc lives in /usr/local here, and nothing built for CUDA could run).
-ADACC_BUILD_CUDA=0 "${PIP[@]}" --no-build-isolation --no-deps -e . >&2
+# The project, editable, with a CPU-only extension build (nvcc may exist, but nothing built for CUDA could run
+# without a GPU). Rebuilt when this checkout or the extension's sources changed.
+BUILT=$VENV/.project-$(cat setup.py pyproject.toml csrc/*.cpp csrc/*.h | { sha256sum; pwd; } | sha256sum | cut -c1-12)
+if [ ! -f "$BUILT" ] || ! "$PY" -c "import megatron_adacc._C" 2>/dev/null; then
+  ADACC_BUILD_CUDA=0 "${PIP[@]}" --no-build-isolation --no-deps -e . >&2
+  rm -f "$VENV"/.project-*
+  touch "$BUILT"
+fi
 "$PY" -c "import megatron.core, megatron.training, torch, pulp; import megatron_adacc._C" >&2
 echo "$PY"

@@ -19,10 +19,12 @@ _MARK = "__adacc_records__"
 
 
 def record_iterations(training: ModuleType, path: str) -> None:
-    """Wrap ``training.train_step`` to record every iteration's loss and gradient norm (idempotent)."""
-    original = training.train_step
-    if getattr(original, _MARK, False):
+    """Wrap ``training.train_step`` to record every iteration's loss and gradient norm (once per module, however
+    often it is called and whatever wraps ``train_step`` in between)."""
+    if getattr(training, _MARK, False):
         return
+    setattr(training, _MARK, True)
+    original = training.train_step
     rank = int(os.environ.get("RANK", "0"))
 
     @functools.wraps(original)
@@ -38,7 +40,6 @@ def record_iterations(training: ModuleType, path: str) -> None:
             f.write(json.dumps(record) + "\n")
         return result
 
-    setattr(train_step, _MARK, True)
     training.train_step = train_step
 
 
