@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -24,11 +23,11 @@ from megatron_adacc import features
 from megatron_adacc.core import features as core_features
 from megatron_adacc.core import host as core_host
 from megatron_adacc.core.devices import peak_memory_bytes, reset_peak_memory
-from megatron_adacc.core.errors import InputNotFound, IntegrationError
+from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.core.saved import SavedTensorMeter
 from megatron_adacc.core.units import format_bytes
-from megatron_adacc.training import distributed
+from megatron_adacc.training import checkpoint, distributed
 from megatron_adacc.training import model as model_lib
 from megatron_adacc.training.data import BatchSampler
 from megatron_adacc.training.host import TrainHost
@@ -167,8 +166,8 @@ def train(args: SimpleNamespace, return_model: bool = False):
     """
     with core_host.running(TrainHost()):
         run = _set_up(args)
-    model, optimizer, sampler, extensions = run.model, run.optimizer, run.sampler, run.extensions
-    start_iter = _load_checkpoint(args.load, run.rank, model, optimizer, sampler, extensions) if args.load else 0
+    model, extensions = run.model, run.extensions
+    start_iter = _load_checkpoint(args.load, run) if args.load else 0
 
     is_main = run.rank == 0
     show_progress = is_main and not args.no_progress
@@ -189,9 +188,9 @@ def train(args: SimpleNamespace, return_model: bool = False):
         if not ok and is_main:
             print(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            _save_checkpoint(args.save, run.rank, iteration, model, optimizer, sampler, extensions)
+            _save_checkpoint(args.save, run, iteration)
     if args.save:
-        _save_checkpoint(args.save, run.rank, args.train_iters, model, optimizer, sampler, extensions)
+        _save_checkpoint(args.save, run, args.train_iters)
 
     summary = _summary(args, run.device, run.world, run.n_micro, losses, step_times, saved_bytes, extensions)
     if args.eval_iters:
@@ -267,36 +266,21 @@ def _print_summary(s: dict) -> None:
     print("\n".join(line for line in lines if line))
 
 
-def _checkpoint_path(directory: str, rank: int) -> Path:
-    return Path(directory) / f"rank{rank:05d}.pt"
+def _save_checkpoint(directory, run, iteration) -> None:
+    state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+             "sampler_rng": run.sampler.generator.get_state(), "rng": checkpoint.rng_states(run.device),
+             "extensions": {ext.name: ext.state_dict() for ext in run.extensions}}
+    checkpoint.save(directory, run.rank, iteration, state,
+                    checkpoint.identity(run.model, run.optimizer, run.extensions))
 
 
-def _save_checkpoint(directory, rank, iteration, model, optimizer, sampler, extensions) -> None:
-    path = _checkpoint_path(directory, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        "iteration": iteration,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "sampler_rng": sampler.generator.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "extensions": {ext.name: ext.state_dict() for ext in extensions},
-    }
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
-
-
-def _load_checkpoint(directory, rank, model, optimizer, sampler, extensions) -> int:
-    path = _checkpoint_path(directory, rank)
-    if not path.exists():
-        raise InputNotFound(f"--load {directory}: no checkpoint {path.name} for rank {rank} there")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    sampler.generator.set_state(state["sampler_rng"])
-    torch.set_rng_state(state["torch_rng"])
-    for ext in extensions:
+def _load_checkpoint(directory, run) -> int:
+    state = checkpoint.load(directory, run.rank, checkpoint.identity(run.model, run.optimizer, run.extensions))
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.sampler.generator.set_state(state["sampler_rng"])
+    checkpoint.set_rng_states(state["rng"], run.device)
+    for ext in run.extensions:
         if ext.name in state["extensions"]:
             ext.load_state_dict(state["extensions"][ext.name])
     return int(state["iteration"])
