@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.files import atomic_write
 
 #: Bumped when the file's layout changes; a newer file is refused rather than misread.
 FORMAT = 1
@@ -50,12 +51,8 @@ def save(extensions: list[Any], root: str | os.PathLike, iteration: int,
     states = {name: state for name, state in states.items() if state}
     if not states and not host:
         return None
-    path = state_path(root, iteration, _rank())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".pt.partial")
-    torch.save({"format": FORMAT, "iteration": iteration, "extensions": states, "host": host or {}}, partial)
-    os.replace(partial, path)  # a crash mid-write leaves the previous file, never half of one
-    return path
+    data = {"format": FORMAT, "iteration": iteration, "extensions": states, "host": host or {}}
+    return atomic_write(state_path(root, iteration, _rank()), lambda f: torch.save(data, f))
 
 
 def load(extensions: list[Any], root: str | os.PathLike, iteration: int, log=print) -> dict[str, Any]:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_adacc.core.errors import AdaccError, InputNotFound
+from megatron_adacc.core.files import atomic_write
 
 FORMAT = 1
 
@@ -34,20 +33,6 @@ class CheckpointError(AdaccError, RuntimeError):
 def paths(directory: str | os.PathLike, rank: int) -> tuple[Path, Path]:
     stem = Path(directory) / f"rank{rank:05d}"
     return stem.with_suffix(".pt"), stem.with_suffix(".json")
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")  # O_EXCL, random
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _sha256(path: Path) -> str:
@@ -91,10 +76,10 @@ def save(directory: str | os.PathLike, rank: int, iteration: int, state: dict[st
          ident: dict[str, Any]) -> Path:
     """Write ``state`` (tensors, numbers, strings and containers) and its manifest for ``rank``."""
     state_path, manifest_path = paths(directory, rank)
-    _atomic_write(state_path, lambda f: torch.save({"iteration": iteration, **state}, f))
+    atomic_write(state_path, lambda f: torch.save({"iteration": iteration, **state}, f))
     manifest = {"format": FORMAT, "iteration": iteration, "sha256": _sha256(state_path), **ident,
                 "versions": {"torch": torch.__version__, "megatron_adacc": _version()}}
-    _atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     return state_path
 
 

@@ -17,6 +17,7 @@ from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NA
 from megatron_adacc.adacc.policy.policy import Decision, Policy
 from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS, check_signature
 from megatron_adacc.core.errors import AdaccError, InputNotFound
+from megatron_adacc.core.files import atomic_write
 
 FORMAT = "megatron-adacc-policy"
 SCHEMA_VERSION = 1
@@ -54,12 +55,8 @@ def policy_to_json(policy: Policy) -> dict[str, Any]:
 
 def save_policy(policy: Policy, path: str | os.PathLike) -> Path:
     """Write ``policy`` to ``path`` (parent folders created); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(policy_to_json(policy), indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    text = json.dumps(policy_to_json(policy), indent=1) + "\n"
+    return atomic_write(path, lambda f: f.write(text.encode()))
 
 
 # ------------------------------------------------------------------------------------------ reading
