@@ -154,6 +154,7 @@ class Session:
             self._probe_batch = (_peek(data_iterator),)
         batch = self._probe_batch[0]
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_outside_rerun_bookkeeping())
             for chunk in model:
                 if hasattr(chunk, "no_sync"):
                     stack.enter_context(chunk.no_sync())
@@ -202,6 +203,26 @@ class Session:
 
     def report(self) -> dict[str, Any]:
         return {getattr(e, "name", type(e).__name__): e.report() for e in self.extensions}
+
+
+@contextlib.contextmanager
+def _outside_rerun_bookkeeping():
+    """Megatron's rerun state machine (default mode ``validate_results``) asserts that ``validate_result``, which
+    ``pretrain_gpt.py``'s loss function calls, runs inside a training step's forward-backward pass. The probe's
+    pass is not one of those: for its duration the machine is ``disabled``, in which mode ``validate_result``
+    still refuses NaN/Inf losses but keeps no record of them."""
+    try:
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+    except ImportError:  # a megatron-core without the machine
+        yield
+        return
+    machine = get_rerun_state_machine()
+    mode = machine.get_mode()
+    machine.set_mode(RerunMode.DISABLED)
+    try:
+        yield
+    finally:
+        machine.set_mode(mode)
 
 
 def _peek(data_iterator: Any) -> Any:

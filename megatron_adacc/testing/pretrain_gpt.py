@@ -112,11 +112,20 @@ def _get_batch(data_iterator, vp_stage=None) -> dict[str, torch.Tensor | None]:
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Summed token loss, token count, and the ``[sum, count]`` report Megatron reduces over the data-parallel
-    group (the per-token average of the global batch)."""
+    group (the per-token average of the global batch). Like ``pretrain_gpt.py``, it hands the loss to Megatron's
+    rerun state machine, which refuses NaN/Inf (and asserts that it runs inside a forward-backward pass)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        machine = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                    message=f"found {what} in local forward loss calculation")
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
