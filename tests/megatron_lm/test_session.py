@@ -256,3 +256,37 @@ def test_the_gradient_probe_replays_one_held_out_batch(fake_training, recording)
     assert torch.equal(probes[0][1], torch.tensor([0.5, 1.0, 1.5, 2.0]))
     assert next(batches, None) is None
     assert model[0].no_sync_entered == 2  # probes keep gradients local: no bucket reduction starts
+
+
+def test_the_probe_runs_pretrain_gpts_loss_checks_outside_rerun_bookkeeping(fake_training, recording):
+    """pretrain_gpt.py's loss function calls the rerun state machine's validate_result, which asserts it runs
+    inside a step's forward-backward pass (mode validate_results, Megatron-LM's default). The probe's pass is
+    not one: the machine is disabled for it, still refusing NaN, and its mode is put back."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    before = machine.get_mode()
+    machine.set_mode(RerunMode.VALIDATE_RESULTS)
+    seen = []
+
+    def checked_forward_step(data_iterator, model, return_schedule_plan: bool = False):
+        output, loss_func = batch_forward_step(data_iterator, model)
+
+        def checked(out):
+            machine.validate_result(result=out, rejection_func=torch.isnan, message="NaN", tolerance=0.0,
+                                    fatal=True)
+            return loss_func(out)
+
+        return output, checked
+
+    try:
+        megatron_lm.configure(megatron_args("--gact-level", "L1"), training=fake_training)
+        model, _, _ = fake_training.setup_model_and_optimizer("encoder_or_decoder")
+        with pytest.raises(AssertionError, match="outside of the forward-backward pass"):
+            checked_forward_step(iter([torch.ones(4)]), model[0])[1](torch.tensor(1.0))  # outside the probe
+        session = megatron_lm.current_session()
+        session._step = (checked_forward_step, iter([torch.ones(4)]), model)  # as train_step's wrapper sets it
+        seen.append((session.probe_forward_backward(), machine.get_mode()))
+    finally:
+        machine.set_mode(before)
+    assert seen == [(1.0, RerunMode.VALIDATE_RESULTS)]
