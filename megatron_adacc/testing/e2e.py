@@ -137,7 +137,10 @@ def case(name: str) -> Case:
 def _versions(python: str) -> str:
     found = subprocess.run([python, "-c", "import sys, torch; print(sys.version.split()[0], torch.__version__)"],
                            capture_output=True, text=True).stdout.split()
-    return f"Python {found[0]}, torch {found[1]}" if len(found) == 2 else "versions unknown"
+    ours = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+                          capture_output=True, text=True).stdout.strip() or "unknown"
+    python_torch = f"Python {found[0]}, torch {found[1]}" if len(found) == 2 else "versions unknown"
+    return f"{python_torch}, megatron-adacc {ours}"
 
 
 @dataclass(frozen=True)
