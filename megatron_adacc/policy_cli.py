@@ -22,8 +22,7 @@ from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, paper
-from megatron_adacc.arguments import parse_bytes
-from megatron_adacc.core.units import format_bytes
+from megatron_adacc.core.units import format_bytes, parse_positive_bytes
 from megatron_adacc.training import distributed
 from megatron_adacc.training import model as model_lib
 from megatron_adacc.training.args import add_train_args, parse_train_args
@@ -50,7 +49,7 @@ def _add_profile_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_solve_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("adacc solve")
-    g.add_argument("--budget", type=parse_bytes, default=None, metavar="BYTES",
+    g.add_argument("--budget", type=parse_positive_bytes, default=None, metavar="BYTES",
                    help="Memory budget (e.g. 12GiB); same as --adacc-memory-budget.")
     g.add_argument("--output", "-o", default="adacc-policy.json", help="Where to write the policy file.")
     # Not --adacc-codecs: beside the training flag --adacc-codec (a codec family) that name read as its plural.

@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_adacc.core.errors import InputNotFound
 from megatron_adacc.core.features import Feature, require, saved_tensor_hook_problems
-from megatron_adacc.core.units import parse_bytes
+from megatron_adacc.core.units import parse_positive_bytes
 
 #: ``--adacc-policy`` values that are not files. ``keep``, ``recompute`` and ``quantize-all`` are
 #: :data:`megatron_adacc.adacc.policy.policy.PRESET_NAMES`; ``none`` and ``auto`` are the feature's own.
@@ -60,13 +60,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "solve the MILP under --adacc-memory-budget, train. keep / recompute / quantize-all: "
                         "the all-keep, all-recompute and INT4-everywhere presets. PATH: a policy JSON file "
                         "(`adacc solve` writes one).")
-    g.add_argument("--adacc-memory-budget", type=parse_bytes, default=None, metavar="BYTES",
+    g.add_argument("--adacc-memory-budget", type=parse_positive_bytes, default=None, metavar="BYTES",
                    help="Memory budget for --adacc-policy auto (e.g. 30GiB). Default: the device's memory "
                         "(CUDA: total memory of the current GPU; CPU: available RAM).")
     g.add_argument("--adacc-memory-headroom", type=float, default=0.01, metavar="FRACTION",
                    help="Fraction of the budget the solver leaves free for what its cost model does not see "
                         "(allocator fragmentation, run-to-run variation of the peak). Default 0.01.")
-    g.add_argument("--adacc-process-baseline", dest="adacc_process_baseline_bytes", type=parse_bytes,
+    g.add_argument("--adacc-process-baseline", dest="adacc_process_baseline_bytes", type=parse_positive_bytes,
                    default=None, metavar="BYTES",
                    help="Memory the process holds besides what the cost model counts (CPU: interpreter, "
                         "libraries, allocator and framework buffers; peak RSS is the budget there). Default "

@@ -24,6 +24,15 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_positive_bytes(text: str | int) -> int:
+    """:func:`parse_bytes` for sizes that must be at least one byte (budgets): ``0`` or ``0.5`` would otherwise
+    read as "no budget given" further on."""
+    n = parse_bytes(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is {n} bytes; a size here must be positive, e.g. 12GiB")
+    return n
+
+
 def format_bytes(n: float | int | None, digits: int = 1) -> str:
     """Binary units, ``digits`` decimals (whole bytes below 1 KiB); ``-`` for None."""
     if n is None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_adacc.core.units import format_bytes, parse_bytes
+from megatron_adacc.core.units import format_bytes, parse_bytes, parse_positive_bytes
 
 
 @pytest.mark.parametrize("text, value", [("12GiB", 12 * 2**30), ("500MB", 500_000_000), ("1.5 KiB", 1536),
@@ -21,6 +21,24 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_refuses_with_an_example(text):
     with pytest.raises(argparse.ArgumentTypeError, match="e.g. 12GiB"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["0", "0.5", "0GiB", "0.1B"])
+def test_budgets_must_be_positive(text):
+    """``--adacc-memory-budget 0`` (or ``0.5``, which truncates to 0 bytes) used to read as "no budget": all RAM."""
+    with pytest.raises(argparse.ArgumentTypeError, match="must be positive"):
+        parse_positive_bytes(text)
+    assert parse_positive_bytes("1") == 1 and parse_positive_bytes("0.5KiB") == 512
+
+
+def test_the_budget_flags_refuse_zero():
+    from megatron_adacc import features
+
+    parser = argparse.ArgumentParser()
+    features.add_args(parser)
+    for flag in ("--adacc-memory-budget", "--adacc-process-baseline"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "0"])
 
 
 def test_format_bytes():
