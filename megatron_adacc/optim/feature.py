@@ -53,7 +53,9 @@ FEATURE = Feature(
     name="adama", flag="--adama", dest="adama", off=False,
     add_args=add_args, build_extensions=build_extensions, problems=problems, preflight=preflight,
     conflicts={"resireduce": "--adama folds gradients into Adam's moments during backward and all-reduces the "
-                             "moments, so there is no gradient left for --resireduce to compress; use one of them"},
+                             "moments, so there is no gradient left for --resireduce to compress; use one of them",
+               "gact": "--gact-level probes gradients with extra backward passes, which --adama would fold into "
+                       "Adam's moments as if they were training steps; use one of them"},
     hooks=frozenset({"wrap_model", "build_optimizer"}),
     flag_prefixes=("--adama",),
 )
