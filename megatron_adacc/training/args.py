@@ -83,4 +83,26 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     explicit = set(argv if argv is not None else sys.argv[1:])
     if args.adama and args.clip_grad and "--clip-grad" not in explicit:
         args.clip_grad = 0.0  # the config's global clipping cannot apply to AdamA; an explicit flag is refused
+    _check_shapes(args)
     return SimpleNamespace(**vars(args))
+
+
+#: Flags that must be positive integers for a model and a schedule to exist.
+_POSITIVE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+             "global_batch_size", "train_iters")
+
+
+def _check_shapes(args: argparse.Namespace) -> None:
+    """Refuse, before anything is built, shapes Megatron would build wrong or fail on deep inside."""
+    found = [f"--{name.replace('_', '-')} {getattr(args, name)} must be a positive integer" for name in _POSITIVE
+             if getattr(args, name, None) is not None and getattr(args, name) < 1]
+    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
+    if not found and heads and hidden and hidden % heads:
+        found.append(f"--hidden-size {hidden} is not a multiple of --num-attention-heads {heads} (each head gets "
+                     f"hidden/heads channels); e.g. --num-attention-heads {_a_divisor(hidden, heads)}")
+    if found:
+        raise IntegrationError("; ".join(found))
+
+
+def _a_divisor(hidden: int, near: int) -> int:
+    return min((d for d in range(1, hidden + 1) if hidden % d == 0), key=lambda d: (abs(d - near), d))

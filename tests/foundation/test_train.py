@@ -79,3 +79,15 @@ def test_memory_budget_parsing():
     assert parse_bytes("1024") == 1024
     with pytest.raises(argparse.ArgumentTypeError, match="12GiB"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-attention-heads", "3", "--hidden-size", "128"], "not a multiple of --num-attention-heads 3"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0 must be a positive integer"),
+    (["--num-layers", "-1"], "--num-layers -1 must be a positive integer"),
+])
+def test_impossible_shapes_are_refused_before_anything_is_built(flags, message):
+    from megatron_adacc.core.errors import IntegrationError
+
+    with pytest.raises(IntegrationError, match=message):
+        parse_train_args(SMALL + flags)
