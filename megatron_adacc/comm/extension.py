@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -87,6 +88,10 @@ class ResiReduceExtension(TrainingExtension):
         )
         self.attachment = attach(ctx.ddp_model, reducer)
         self.ctx = ctx
+        if self.world == 1:
+            print(f"[resireduce] one process: nothing is communicated, but gradients are still compressed with "
+                  f"error feedback ({self.scheme}, {self.compressor_name}), so training differs from "
+                  "--resireduce off", file=sys.stderr, flush=True)
 
     def on_step_end(self, iteration: int, loss: float) -> None:
         if self.attachment is not None:

@@ -29,3 +29,14 @@ def test_checkpoint_of_another_rank_or_scheme_is_refused():
         ext.load_state_dict({"scheme": "a", "rank": 0, "world_size": 1})
     with pytest.raises(ValueError, match="per rank"):
         ext.load_state_dict({"scheme": "w", "rank": 1, "world_size": 2})
+
+
+def test_one_process_says_that_nothing_is_communicated(capsys):
+    """A world of one still compresses gradients (error feedback), which changes training: say so."""
+    from megatron_adacc.training.loop import train
+
+    train(parse_train_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+                            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+                            "--train-iters", "1", "--no-progress", "--resireduce", "w"]))
+    err = capsys.readouterr().err
+    assert err.count("[resireduce] one process: nothing is communicated") == 1
