@@ -159,3 +159,16 @@ def test_a_pipeline_stage_takes_its_slice_of_a_whole_model_policy() -> None:
     for first, count in ((2, 2), (-1, 1), (0, 0)):
         with pytest.raises(ValueError, match="not within this policy's 3 layers"):
             whole.stage(first, count)
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "is not UTF-8 text"),
+    ("caf\xe9".encode("latin-1"), "is not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests deeper"),
+])
+def test_unreadable_policy_files_are_schema_errors_naming_the_file(tmp_path, content, problem):
+    path = tmp_path / "policy.json"
+    path.write_bytes(content)
+    with pytest.raises(PolicySchemaError, match=problem) as info:
+        load_policy(path)
+    assert str(path) in str(info.value)

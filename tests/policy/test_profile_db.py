@@ -98,3 +98,16 @@ def test_analytic_sizes_are_the_grouped_codecs_formulas() -> None:
                 assert op.codecs[name].compressed_bytes == codec.compressed_nbytes((elements[op.name],), torch.float32)
                 checked += 1
     assert checked >= 2 * len(elements)  # every op offers int4_symmetric and stochastic
+
+
+def test_a_damaged_or_foreign_database_is_one_clear_error(tmp_path):
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB, ProfileDBError
+    from megatron_adacc.core.errors import AdaccError
+
+    not_a_db = tmp_path / "profile.sqlite"
+    not_a_db.write_bytes(b"this is not an SQLite file" * 100)
+    with pytest.raises(ProfileDBError, match=r"profile.sqlite cannot be used .*move it aside or delete it") as info:
+        ProfileDB(not_a_db)
+    assert isinstance(info.value, AdaccError)
+    with pytest.raises(ProfileDBError, match="is a folder"):
+        ProfileDB(tmp_path)

@@ -192,9 +192,14 @@ def load_policy(path: str | os.PathLike, *, signature: dict[str, Any] | None = N
         raise InputNotFound(f"policy file {str(path)!r} does not exist (make one with `adacc solve`, or "
                                 "use --adacc-policy auto|keep|recompute|quantize-all)")
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise PolicySchemaError("$", f"is not valid JSON: {e}", str(path)) from None
+    except UnicodeDecodeError:
+        raise PolicySchemaError("$", "is not UTF-8 text (a binary file, or another encoding); policy files are "
+                                "JSON written by `adacc solve`", str(path)) from None
+    except RecursionError:
+        raise PolicySchemaError("$", "nests deeper than any policy file does", str(path)) from None
     policy = policy_from_json(obj, source=str(path))
     if signature is not None:
         check_signature(f"policy {path}", policy.signature, signature)

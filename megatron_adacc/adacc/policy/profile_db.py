@@ -17,6 +17,7 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.profile import PROFILE_VERSION, LayerProfile
 from megatron_adacc.adacc.policy.signature import signature_key
+from megatron_adacc.core.errors import AdaccError
 
 ENV_VAR = "ADACC_PROFILE_DB"
 DEFAULT_PATH = Path("~/.cache/megatron-adacc/profile.sqlite")
@@ -48,22 +49,34 @@ def default_db_path(cli_value: str | os.PathLike | None = None) -> Path:
     return Path(value).expanduser()
 
 
+class ProfileDBError(AdaccError, RuntimeError):
+    """The profile database cannot be opened or read."""
+
+
 class ProfileDB:
     """Stores and finds :class:`LayerProfile` records. Each call opens its own connection (safe across
     processes; SQLite serializes writers)."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = default_db_path(path)
+        if self.path.is_dir():
+            raise ProfileDBError(f"the profile database {self.path} is a folder; name a file with "
+                                 f"--adacc-profile-db or ${ENV_VAR}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as con, con:
-            con.executescript(_SCHEMA)
+        try:
+            with closing(self._connect()) as con, con:
+                con.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:  # "file is not a database": damaged, or another file by that name
+            raise ProfileDBError(f"the profile database {self.path} cannot be used ({e}). It is only a cache of "
+                                 "measurements: move it aside or delete it, or choose another with "
+                                 f"--adacc-profile-db or ${ENV_VAR}") from None
 
     def _connect(self) -> sqlite3.Connection:
         try:
             return sqlite3.connect(str(self.path), timeout=30)
         except sqlite3.Error as e:
-            raise RuntimeError(f"cannot open the profile database {self.path}: {e} "
-                               f"(choose another with --adacc-profile-db or ${ENV_VAR})") from e
+            raise ProfileDBError(f"cannot open the profile database {self.path}: {e} "
+                                 f"(choose another with --adacc-profile-db or ${ENV_VAR})") from None
 
     def put(self, profile: LayerProfile) -> int:
         """Store ``profile``; returns its id."""
