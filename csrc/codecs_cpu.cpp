@@ -288,10 +288,15 @@ void outlier_int4_decompress(const at::Tensor& payload, const at::Tensor& scales
   check_cpu(out, "out");
   TORCH_CHECK(out.dim() == 2, "outlier_int4_decompress: out must be 2-D [rows, channels]");
   const int64_t rows = out.size(0), cols = out.size(1), k = idx.numel();
-  TORCH_CHECK(idx.scalar_type() == at::kInt, "outlier_int4_decompress: idx must be int32");
+  TORCH_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 1, "outlier_int4_decompress: idx must be 1-D int32");
   TORCH_CHECK(payload.numel() == rows * group_bytes(cols, 4) && scales.numel() == rows &&
                   outliers.numel() == rows * k && outliers.scalar_type() == out.scalar_type(),
               "outlier_int4_decompress: payload/scales/outliers do not match out");
+  // The channel indices come from the payload: a damaged or tampered one must not write outside `out`.
+  if (k) {
+    TORCH_CHECK(idx.min().item<int32_t>() >= 0 && idx.max().item<int32_t>() < cols,
+                "outlier_int4_decompress: channel index out of range (damaged payload)");
+  }
   if (!out.numel()) return;
   dispatch_float(out.scalar_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -304,7 +304,10 @@ __global__ void scatter_outliers_kernel(const T* __restrict__ outliers, int64_t 
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < rows * k;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / k;
-    out[r * cols + idx[i - r * k]] = outliers[i];
+    const int32_t c = idx[i - r * k];
+    // Indices come from the payload; checking them on the host would cost a sync per tensor, so a damaged
+    // one is skipped here instead of writing outside `out`.
+    if (c >= 0 && c < cols) out[r * cols + c] = outliers[i];
   }
 }
 

@@ -206,6 +206,8 @@ def outlier_int4_decompress(
     payload: torch.Tensor, scales: torch.Tensor, outliers: torch.Tensor, idx: torch.Tensor, out: torch.Tensor
 ) -> None:
     rows, cols = out.shape
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= cols):  # a negative index would wrap around
+        raise RuntimeError("outlier_int4_decompress: channel index out of range (damaged payload)")
     if out.numel() == 0:
         return
     q = unpack_groups(payload, rows * cols, cols, 4)
