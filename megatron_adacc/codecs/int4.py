@@ -175,8 +175,10 @@ class Int4OutlierCodec(Codec):
     name = "int4_outlier"
 
     def __init__(self, z_threshold: float = 3.0, *, kernels: Any) -> None:
-        if not (isinstance(z_threshold, (int, float)) and math.isfinite(z_threshold)):
-            raise ValueError(f"int4_outlier codec: z_threshold must be a finite number, got {z_threshold!r}")
+        if not (isinstance(z_threshold, (int, float)) and math.isfinite(z_threshold) and z_threshold > 0):
+            # Zero or below would mark every channel an outlier: nothing compressed, silently.
+            raise ValueError(f"int4_outlier codec: z_threshold must be a positive finite number, got "
+                             f"{z_threshold!r}")
         self.z_threshold = float(z_threshold)
         self._k = kernels
 

@@ -172,3 +172,22 @@ def test_unreadable_policy_files_are_schema_errors_naming_the_file(tmp_path, con
     with pytest.raises(PolicySchemaError, match=problem) as info:
         load_policy(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("params, problem", [
+    ({"z_threshold": -1.0}, "positive finite number"),
+    ({"z_threshold": 0}, "positive finite number"),
+    ({"zz_threshold": 3.0}, "not valid for int4_outlier"),
+])
+def test_codec_params_are_validated_at_load(params, problem):
+    """A negative Z threshold used to load and silently keep every channel of those tensors uncompressed."""
+    from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC
+
+    at = next(i for i, spec in enumerate(OPS) if OUTLIER_CODEC in spec.codecs)
+    layer = [Decision.keep() for _ in OPS]
+    layer[at] = Decision.compress(OUTLIER_CODEC, z_threshold=3.0)
+    obj = policy_to_json(Policy(layers=[layer]))
+    assert policy_from_json(obj).layers[0][at].codec == OUTLIER_CODEC  # valid as written
+    obj["layers"][0]["decisions"][at]["codec_params"] = params
+    with pytest.raises(PolicySchemaError, match=problem):
+        policy_from_json(obj)

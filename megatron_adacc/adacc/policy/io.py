@@ -16,6 +16,7 @@ from typing import Any
 from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME, Action
 from megatron_adacc.adacc.policy.policy import Decision, Policy
 from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS, check_signature
+from megatron_adacc.codecs import get_codec
 from megatron_adacc.core.errors import AdaccError, InputNotFound
 from megatron_adacc.core.files import atomic_write
 
@@ -114,6 +115,10 @@ def _decision_from_json(obj: Any, path: str, op: str) -> Decision:
         if not isinstance(v, (int, float, str, bool)) or (isinstance(v, float) and not math.isfinite(v)):
             raise PolicySchemaError(f"{path}.codec_params.{k}", f"must be a finite number, string or boolean, "
                                     f"got {v!r}")
+    try:  # the codec itself knows its parameters and their ranges
+        get_codec(codec, **params)
+    except (TypeError, ValueError) as exc:
+        raise PolicySchemaError(f"{path}.codec_params", f"are not valid for {codec}: {exc}") from None
     return Decision(Action.COMPRESS, codec, dict(params))
 
 
