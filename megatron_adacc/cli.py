@@ -41,6 +41,8 @@ def _bench(argv: list[str]) -> int:
 
 #: Exit status of a refused command line or input (an :class:`~megatron_adacc.core.errors.AdaccError`), argparse's.
 EXIT_REFUSED = 2
+#: Exit status after Ctrl-C, the shell's convention (128 + SIGINT).
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except AdaccError as exc:
         print(f"adacc: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    except KeyboardInterrupt as exc:  # adacc train finished its step (and saved with --save) first
+        print(f"adacc: {exc or 'interrupted'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,22 +196,51 @@ def _refuse_nonfinite(run: _Run, iteration: int, step_loss: torch.Tensor) -> tup
     return float(step_loss), False
 
 
-def train(args: SimpleNamespace, return_model: bool = False):
-    """Run the training job described by ``args`` and return its summary (also written to --output-json).
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during ``adacc train``: the step under way finished, and was saved with ``--save``."""
 
-    With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
-    """
-    with core_host.running(TrainHost()):
-        run = _set_up(args)
-    model, extensions = run.model, run.extensions
-    start_iter = _load_checkpoint(args.load, run) if args.load else 0
 
-    is_main = run.rank == 0
+@contextlib.contextmanager
+def _interruptible():
+    """While training, SIGINT only sets a flag that the loop reads between steps: a step is never cut in half
+    (which would leave gradients, collectives or a checkpoint half done). A second Ctrl-C interrupts at once."""
+    import signal
+    import threading
+
+    requested = {"at": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def on_sigint(signum, frame):
+        if requested["at"] is not None:
+            raise KeyboardInterrupt
+        requested["at"] = time.time()
+        print("\n[adacc] interrupted: finishing the current step (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _agreed(run: _Run, flag: bool) -> bool:
+    """``flag`` on any rank (every rank stops at the same step, or the others would wait in a collective)."""
+    if run.world == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=run.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _loop(run: _Run, bar, interrupt: dict, losses: list[float], step_times: list[float],
+          saved_bytes: list[int]) -> None:
+    """The training iterations of :func:`train`; a Ctrl-C ends them after the step under way."""
+    args, extensions, is_main = run.args, run.extensions, run.rank == 0
     show_progress = is_main and not args.no_progress
-    losses, step_times, saved_bytes = [], [], []
     skipped_in_a_row = 0
-    reset_peak_memory(run.device)
-    bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress, args.train_iters - start_iter)
     for iteration in bar:
         t0 = time.perf_counter()
         loss_value, ok = _train_step(run, iteration, saved_bytes)
@@ -232,8 +262,34 @@ def train(args: SimpleNamespace, return_model: bool = False):
                                  "broken. Resume from the last checkpoint (--load), with a lower --lr")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             _save_checkpoint(args.save, run, iteration)
+        if _agreed(run, interrupt["at"] is not None):
+            where = ""
+            if args.save:
+                _save_checkpoint(args.save, run, iteration)
+                where = f"; saved, resume with --load {args.save}"
+            raise TrainingInterrupted(f"interrupted after iteration {iteration}{where}")
+
+
+def train(args: SimpleNamespace, return_model: bool = False):
+    """Run the training job described by ``args`` and return its summary (also written to --output-json).
+
+    With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
+    """
+    with core_host.running(TrainHost()):
+        run = _set_up(args)
+    model, extensions = run.model, run.extensions
+    start_iter = _load_checkpoint(args.load, run) if args.load else 0
+
+    is_main = run.rank == 0
+    show_progress = is_main and not args.no_progress
+    losses, step_times, saved_bytes = [], [], []
+    reset_peak_memory(run.device)
+    bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress, args.train_iters - start_iter)
+    with _interruptible() as interrupt:
+        _loop(run, bar, interrupt, losses, step_times, saved_bytes)
     if args.save:
         _save_checkpoint(args.save, run, args.train_iters)
+
 
     summary = _summary(args, run.device, run.world, run.n_micro, losses, step_times, saved_bytes, extensions)
     if args.eval_iters:
