@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -143,11 +142,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _profile_of(policy: Policy) -> LayerProfile | None:
     ref = policy.profile or {}
-    if not ref.get("db") or ref.get("id") is None or not Path(ref["db"]).is_file():
+    db = ProfileDB.existing(ref.get("db"))  # a policy file names what to read, never where to write
+    if db is None or ref.get("id") is None:
         return None
     try:
-        return ProfileDB(ref["db"]).get_by_id(int(ref["id"]))
-    except KeyError:
+        return db.get_by_id(int(ref["id"]))
+    except (KeyError, ValueError):
         return None
 
 

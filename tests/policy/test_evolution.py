@@ -109,3 +109,27 @@ def test_no_evolution_flag_disables_it() -> None:
 
     _, _, _, policy = setup(lambda it: 1.0)
     assert build_extension(SimpleNamespace(adacc_no_evolution=True), None, policy) is None
+
+
+def test_a_policy_file_names_what_to_read_never_where_to_write(tmp_path, capsys) -> None:
+    """A policy file's ``profile.db`` used to make training create folders and an SQLite file at that path (it
+    turned an existing empty user file into a database). Now it is read when it is a profile database, and
+    otherwise evolution is off, with a note, and nothing is touched."""
+    from types import SimpleNamespace
+
+    from megatron_adacc.adacc.integration.evolution import build_extension
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+
+    _, _, _, policy = setup(lambda it: 1.0)
+    args = SimpleNamespace(adacc_no_evolution=False)
+    user_file = tmp_path / "notes.txt"
+    user_file.write_bytes(b"")
+    for target in (tmp_path / "new" / "folder" / "profile.sqlite", user_file, tmp_path):
+        policy.profile = {"db": str(target), "id": 1}
+        assert build_extension(args, None, policy) is None
+        assert "policy evolution is off" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and user_file.read_bytes() == b""
+
+    db = ProfileDB(tmp_path / "real.sqlite")  # a real one is read
+    policy.profile = {"db": str(db.path), "id": db.put(analytic_profile(SIG))}
+    assert build_extension(args, None, policy) is not None

@@ -202,9 +202,14 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
     from megatron_adacc.adacc.policy.profile_db import ProfileDB
 
     ref = policy.profile
+    db = ProfileDB.existing(ref.get("db"))  # a policy file names what to read, never where to write
     try:
-        profile = ProfileDB(ref["db"]).get_by_id(int(ref["id"]))
-    except (KeyError, TypeError):
+        profile = db.get_by_id(int(ref["id"])) if db is not None else None
+    except (KeyError, TypeError, ValueError):
+        profile = None
+    if profile is None:
+        print(f"[adacc] policy evolution is off: the profile the policy was solved from ({ref.get('db')}, "
+              f"#{ref.get('id')}) is not available here", file=sys.stderr, flush=True)
         return None
 
     def apply(new: Policy) -> None:

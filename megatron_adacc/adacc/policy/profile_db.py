@@ -71,6 +71,25 @@ class ProfileDB:
                                  "measurements: move it aside or delete it, or choose another with "
                                  f"--adacc-profile-db or ${ENV_VAR}") from None
 
+    @classmethod
+    def existing(cls, path: str | os.PathLike | None) -> ProfileDB | None:
+        """The profile database at ``path`` if there is one, creating and changing nothing; else None.
+
+        For paths that come from inputs (a policy file's ``profile.db``): an input names what to read, never
+        where to write, so a missing file, a folder or a file that is not a profile database is not touched.
+        """
+        if not path or not Path(path).expanduser().is_file():
+            return None
+        found = Path(path).expanduser()
+        try:
+            with closing(sqlite3.connect(f"{found.resolve().as_uri()}?mode=ro", uri=True)) as con:
+                con.execute("SELECT id FROM profiles LIMIT 1")
+        except sqlite3.Error:
+            return None
+        db = cls.__new__(cls)
+        db.path = found
+        return db
+
     def _connect(self) -> sqlite3.Connection:
         try:
             return sqlite3.connect(str(self.path), timeout=30)
