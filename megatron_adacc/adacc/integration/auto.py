@@ -6,7 +6,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
 from megatron_adacc.core.devices import resolve_device
 from megatron_adacc.core.errors import AdaccError
+
+T = TypeVar("T")
 
 
 def _log(msg: str) -> None:
@@ -46,7 +48,7 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
     sig = model_signature(config, args)
     found = None if force else db.get(device_name(device), sig)
     if found is None and isolate:
-        _on_rank0(lambda: _profile_isolated(args, config, device, db, log))
+        on_rank0(lambda: _profile_isolated(args, config, device, db, log))
         found = db.get(device_name(device), sig)  # None where ranks do not share the database: profile here
     if found is not None:
         pid, profile = found
@@ -68,13 +70,35 @@ def _profile_isolated(args: Any, config: Any, device: torch.device, db: ProfileD
     profile_child.profile_in_child(data, log)
 
 
-def _on_rank0(work: Callable[[], None]) -> None:
-    """Run ``work`` on rank 0 only, while the other ranks wait for it."""
+class RankZeroRefusal(AdaccError):
+    """Rank 0 failed at work done for every rank (its message says why); the other ranks stop with its words."""
+
+
+def on_rank0(work: Callable[[], T]) -> T:
+    """``work()`` on rank 0 only; its result, or its failure's words, reaches every rank (one broadcast).
+
+    Used for what one rank should do for all: profile (the others then read the database), calibrate, solve
+    (ranks whose timings differ would solve different policies, and a data-parallel group must run one).
+    A failure on rank 0 stops the other ranks too, instead of leaving them waiting in the broadcast.
+    """
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_rank() == 0:
-        work()
-    if distributed:
-        torch.distributed.barrier()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return work()
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            box[0] = ("done", work())
+        except Exception as exc:
+            failure, box[0] = exc, ("failed", str(exc) if isinstance(exc, AdaccError) else
+                                    f"rank 0 failed: {type(exc).__name__}: {exc}")
+    torch.distributed.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    kind, payload = box[0]
+    if kind == "failed":
+        raise RankZeroRefusal(payload)
+    return payload
 
 
 def _resident_bytes() -> int:
@@ -111,39 +135,7 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
             f"overhead {result.predicted_time_s * 1e3:.1f} ms per micro-batch")
         return policy
 
-    return solved_on_rank0(solve)
-
-
-class RankZeroRefusal(AdaccError):
-    """Rank 0 refused to make the policy (its message says why); the other ranks stop with the same words."""
-
-
-def solved_on_rank0(solve: Callable[[], Policy]) -> Policy:
-    """``solve()`` on rank 0, its policy broadcast to every rank.
-
-    Ranks whose profiles or timings differ would otherwise solve different policies, and a
-    data-parallel group must run one. A refusal on rank 0 reaches the other ranks too, instead of leaving them
-    waiting in the broadcast.
-    """
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_world_size() == 1:
-        return solve()
-    from megatron_adacc.adacc.policy.io import policy_from_json, policy_to_json
-
-    box: list[Any] = [None]
-    failure: AdaccError | None = None
-    if torch.distributed.get_rank() == 0:
-        try:
-            box[0] = ("policy", policy_to_json(solve()))
-        except AdaccError as exc:
-            failure, box[0] = exc, ("refused", str(exc))
-    torch.distributed.broadcast_object_list(box, src=0)
-    if failure is not None:
-        raise failure
-    kind, payload = box[0]
-    if kind == "refused":
-        raise RankZeroRefusal(payload)
-    return policy_from_json(payload)
+    return on_rank0(solve)
 
 
 def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resident: int,
@@ -157,7 +149,7 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
     db, key = ProfileDB(ref["db"]), _run_key(args)
     baseline = db.get_baseline(int(ref["id"]), key)
     if baseline is None:
-        _on_rank0(lambda: _calibrate(args, profile, ref, db, key, log))
+        on_rank0(lambda: _calibrate(args, profile, ref, db, key, log))
         baseline = db.get_baseline(int(ref["id"]), key)
     if baseline is not None:
         log(f"CPU: the budget is peak RSS; counting {baseline / 2**20:.0f} MiB of process memory outside the "
