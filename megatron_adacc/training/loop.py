@@ -126,8 +126,10 @@ def _gradient_probe(run: _Run) -> Callable[[], float]:
     return forward_backward
 
 
-def _train_step(run: _Run, iteration: int, saved_bytes: list[int]) -> tuple[float, bool]:
-    """One optimizer step over ``n_micro`` micro-batches; returns the mean loss and whether the step ran.
+def _train_step(run: _Run, iteration: int, saved_bytes: list[int], interrupted: bool = False
+                ) -> tuple[float, bool, bool]:
+    """One optimizer step over ``n_micro`` micro-batches; returns the mean loss, whether the step ran, and
+    whether any rank was interrupted (``interrupted`` here): the run ends after this step.
     Appends the bytes the first micro-batch saved for backward to ``saved_bytes``."""
     args, ddp, optimizer, n_micro = run.args, run.ddp, run.optimizer, run.n_micro
     for ext in run.extensions:
@@ -152,36 +154,41 @@ def _train_step(run: _Run, iteration: int, saved_bytes: list[int]) -> tuple[floa
         step_loss += loss.detach() / n_micro
     if hasattr(ddp, "finish_grad_sync"):
         ddp.finish_grad_sync()
-    if not _all_finite(run, step_loss):
-        return _refuse_nonfinite(run, iteration, step_loss)
+    finite, stop = _step_flags(run, step_loss, interrupted)
+    if not finite:
+        return _refuse_nonfinite(run, iteration, step_loss), False, stop
     ok, _, _ = optimizer.step()
     if run.world > 1:
         torch.distributed.all_reduce(step_loss)
         step_loss /= run.world
     if run.device.type == "cuda":
         torch.cuda.synchronize()
-    return step_loss.item(), ok
+    return step_loss.item(), ok, stop
 
 
 class NonFiniteError(AdaccError, RuntimeError):
     """A training step produced NaN/Inf and the run cannot (or was told not to) go on."""
 
 
-def _all_finite(run: _Run, step_loss: torch.Tensor) -> bool:
-    """Whether this step's loss and every gradient are finite on every rank (one reduction, one sync)."""
+def _step_flags(run: _Run, step_loss: torch.Tensor, interrupted: bool) -> tuple[bool, bool]:
+    """Whether this step's loss and every gradient are finite on every rank, and whether any rank was
+    interrupted: one reduction and one host sync per step for both (every rank must skip, or stop, at the same
+    step, or the others would wait in a collective)."""
     flags = [torch.isfinite(step_loss).all()]
     for p in run.params:
         grad = getattr(p, "main_grad", None)
         grad = p.grad if grad is None else grad
         if grad is not None:
             flags.append(torch.isfinite(grad).all())
-    finite = torch.stack(flags).all().to(torch.int32)
+    both = torch.stack([torch.stack(flags).all(), torch.tensor(not interrupted, device=step_loss.device)])
+    both = both.to(torch.int32)
     if run.world > 1:
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-    return bool(finite.item())
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
+    finite, carry_on = both.tolist()
+    return bool(finite), not carry_on
 
 
-def _refuse_nonfinite(run: _Run, iteration: int, step_loss: torch.Tensor) -> tuple[float, bool]:
+def _refuse_nonfinite(run: _Run, iteration: int, step_loss: torch.Tensor) -> float:
     """``--on-nonfinite``: skip the step (weights and optimizer state untouched) or stop the run."""
     if getattr(run.optimizer, "folds_gradients", False):
         raise NonFiniteError(f"iteration {iteration}: NaN/Inf in the loss or gradients, which AdamA has already "
@@ -193,7 +200,7 @@ def _refuse_nonfinite(run: _Run, iteration: int, step_loss: torch.Tensor) -> tup
     if hasattr(run.ddp, "zero_grad_buffer"):
         run.ddp.zero_grad_buffer()
     run.optimizer.zero_grad()
-    return float(step_loss), False
+    return float(step_loss)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -207,15 +214,15 @@ def _interruptible():
     import signal
     import threading
 
-    requested = {"at": None}
+    requested = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield requested
         return
 
     def on_sigint(signum, frame):
-        if requested["at"] is not None:
+        if requested.is_set():
             raise KeyboardInterrupt
-        requested["at"] = time.time()
+        requested.set()
         print("\n[adacc] interrupted: finishing the current step (Ctrl-C again to stop at once)",
               file=sys.stderr, flush=True)
 
@@ -226,24 +233,16 @@ def _interruptible():
         signal.signal(signal.SIGINT, previous)
 
 
-def _agreed(run: _Run, flag: bool) -> bool:
-    """``flag`` on any rank (every rank stops at the same step, or the others would wait in a collective)."""
-    if run.world == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=run.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _loop(run: _Run, bar, interrupt: dict, losses: list[float], step_times: list[float],
-          saved_bytes: list[int]) -> None:
-    """The training iterations of :func:`train`; a Ctrl-C ends them after the step under way."""
+def _loop(run: _Run, bar, interrupt, losses: list[float], step_times: list[float],
+          saved_bytes: list[int]) -> int | None:
+    """The training iterations of :func:`train`; a Ctrl-C ends them after the step under way. Returns the
+    iteration last saved, so that no checkpoint is written twice."""
     args, extensions, is_main = run.args, run.extensions, run.rank == 0
     show_progress = is_main and not args.no_progress
-    skipped_in_a_row = 0
+    skipped_in_a_row, saved_at = 0, None
     for iteration in bar:
         t0 = time.perf_counter()
-        loss_value, ok = _train_step(run, iteration, saved_bytes)
+        loss_value, ok, stop = _train_step(run, iteration, saved_bytes, interrupt.is_set())
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         step_times.append(dt)
@@ -260,14 +259,13 @@ def _loop(run: _Run, bar, interrupt: dict, losses: list[float], step_times: list
             raise NonFiniteError(f"{skipped_in_a_row} steps in a row had NaN/Inf (iterations "
                                  f"{iteration - skipped_in_a_row + 1}-{iteration}); the data or the model is "
                                  "broken. Resume from the last checkpoint (--load), with a lower --lr")
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)):
             _save_checkpoint(args.save, run, iteration)
-        if _agreed(run, interrupt["at"] is not None):
-            where = ""
-            if args.save:
-                _save_checkpoint(args.save, run, iteration)
-                where = f"; saved, resume with --load {args.save}"
+            saved_at = iteration
+        if stop:
+            where = f"; saved, resume with --load {args.save}" if args.save else ""
             raise TrainingInterrupted(f"interrupted after iteration {iteration}{where}")
+    return saved_at
 
 
 def train(args: SimpleNamespace, return_model: bool = False):
@@ -286,10 +284,9 @@ def train(args: SimpleNamespace, return_model: bool = False):
     reset_peak_memory(run.device)
     bar = _progress(range(start_iter + 1, args.train_iters + 1), show_progress, args.train_iters - start_iter)
     with _interruptible() as interrupt:
-        _loop(run, bar, interrupt, losses, step_times, saved_bytes)
-    if args.save:
+        saved_at = _loop(run, bar, interrupt, losses, step_times, saved_bytes)
+    if args.save and saved_at != args.train_iters:
         _save_checkpoint(args.save, run, args.train_iters)
-
 
     summary = _summary(args, run.device, run.world, run.n_micro, losses, step_times, saved_bytes, extensions)
     if args.eval_iters:

@@ -113,3 +113,14 @@ def test_the_cli_says_it_in_one_line(saved, tmp_path):
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if "checksum" in line]
     assert len(lines) == 1 and "Traceback" not in out.stderr
+
+
+def test_each_iteration_is_saved_at_most_once(tmp_path, monkeypatch):
+    """The interval save of the last iteration is the final checkpoint too: not written twice."""
+    from megatron_adacc.training import loop
+
+    saved = []
+    real = loop._save_checkpoint
+    monkeypatch.setattr(loop, "_save_checkpoint", lambda d, run, it: (saved.append(it), real(d, run, it)))
+    train(parse_train_args(SMALL + ["--train-iters", "3", "--save", str(tmp_path), "--save-interval", "1"]))
+    assert saved == [1, 2, 3]
