@@ -35,6 +35,20 @@ def paths(directory: str | os.PathLike, rank: int) -> tuple[Path, Path]:
     return stem.with_suffix(".pt"), stem.with_suffix(".json")
 
 
+class _Hashing:
+    """A write-only file that hashes what passes through: the checksum costs no second read of the file."""
+
+    def __init__(self, f, digest) -> None:
+        self._f, self._digest = f, digest
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -76,8 +90,9 @@ def save(directory: str | os.PathLike, rank: int, iteration: int, state: dict[st
          ident: dict[str, Any]) -> Path:
     """Write ``state`` (tensors, numbers, strings and containers) and its manifest for ``rank``."""
     state_path, manifest_path = paths(directory, rank)
-    atomic_write(state_path, lambda f: torch.save({"iteration": iteration, **state}, f))
-    manifest = {"format": FORMAT, "iteration": iteration, "sha256": _sha256(state_path), **ident,
+    digest = hashlib.sha256()
+    atomic_write(state_path, lambda f: torch.save({"iteration": iteration, **state}, _Hashing(f, digest)))
+    manifest = {"format": FORMAT, "iteration": iteration, "sha256": digest.hexdigest(), **ident,
                 "versions": {"torch": torch.__version__, "megatron_adacc": _version()}}
     atomic_write(manifest_path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     return state_path
