@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.extension import TrainingExtension
 from megatron_adacc.core.files import atomic_write
 
 #: Bumped when the file's layout changes; a newer file is refused rather than misread.
@@ -58,11 +59,12 @@ def save(extensions: list[Any], root: str | os.PathLike, iteration: int,
 def load(extensions: list[Any], root: str | os.PathLike, iteration: int, log=print) -> dict[str, Any]:
     """Restore the extension states saved with checkpoint ``iteration``; returns the host's own state."""
     path = state_path(root, iteration, _rank())
-    wanting = [e for e in extensions if e.state_dict()]
     if not path.exists():
-        if wanting:
+        # Those that keep state at all, found without building their state dicts (residual copies) for a message.
+        stateful = [e for e in extensions if type(e).state_dict is not TrainingExtension.state_dict]
+        if stateful:
             log(f"megatron-adacc: checkpoint {root} (iteration {iteration}) holds no megatron-adacc state for this "
-                f"rank; {', '.join(getattr(e, 'name', type(e).__name__) for e in wanting)} start afresh")
+                f"rank; {', '.join(getattr(e, 'name', type(e).__name__) for e in stateful)} start afresh")
         return {}
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
