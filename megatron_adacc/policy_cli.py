@@ -135,20 +135,9 @@ def cmd_solve(args: SimpleNamespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
-    profile = _profile_of(policy)
+    profile = ProfileDB.referenced(policy.profile)  # a policy file names what to read, never where to write
     print(render_policy(policy, profile, all_layers=getattr(args, "all_layers", False)))
     return 0
-
-
-def _profile_of(policy: Policy) -> LayerProfile | None:
-    ref = policy.profile or {}
-    db = ProfileDB.existing(ref.get("db"))  # a policy file names what to read, never where to write
-    if db is None or ref.get("id") is None:
-        return None
-    try:
-        return db.get_by_id(int(ref["id"]))
-    except (KeyError, ValueError):
-        return None
 
 
 # ------------------------------------------------------------------------------------------ rendering

@@ -87,26 +87,25 @@ def _load_policy(spec: Any) -> Any:
 
 
 def _resolve(block: Any, spec: Any) -> Any:
+    """The policy for this block's layers; a preset name or a whole-model policy under pipeline parallelism
+    becomes this stage's own policy once, at its first forward."""
     from megatron_adacc.adacc.policy.policy import Policy
 
     n = len(block.layers)
     if isinstance(spec, str):
         policy = Policy.preset(spec, n)
-        setattr(block.config, _CONFIG_ATTR, policy)
-        accounting.set_policy(policy)
-        return policy
-    first = getattr(block.layers[0], "layer_number", 1) - 1 if n else 0  # global, 1-based in megatron-core
-    if spec.num_layers == block.config.num_layers and spec.num_layers != n:
-        # A policy of the whole model under pipeline parallelism: this stage runs its own layers' slice.
+    elif spec.num_layers == block.config.num_layers and spec.num_layers != n:
+        first = getattr(block.layers[0], "layer_number", 1) - 1 if n else 0  # global, 1-based in megatron-core
         policy = spec.stage(first, n)
-        setattr(block.config, _CONFIG_ATTR, policy)
-        accounting.set_policy(policy)
-        return policy
-    if spec.num_layers != n:
+    elif spec.num_layers != n:
         raise UnsupportedConfigError(
             f"the Adacc policy has {spec.num_layers} layers but this model (pipeline stage) has {n}; make the "
             f"policy for this model (adacc solve ... --num-layers {n}) or use Policy.uniform(..., {n})")
-    return spec
+    else:
+        return spec
+    setattr(block.config, _CONFIG_ATTR, policy)
+    accounting.set_policy(policy)
+    return policy
 
 
 # ------------------------------------------------------------------------------------------------ dispatcher

@@ -202,11 +202,7 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
     from megatron_adacc.adacc.policy.profile_db import ProfileDB
 
     ref = policy.profile
-    db = ProfileDB.existing(ref.get("db"))  # a policy file names what to read, never where to write
-    try:
-        profile = db.get_by_id(int(ref["id"])) if db is not None else None
-    except (KeyError, TypeError, ValueError):
-        profile = None
+    profile = ProfileDB.referenced(ref)  # a policy file names what to read, never where to write
     if profile is None:
         print(f"[adacc] policy evolution is off: the profile the policy was solved from ({ref.get('db')}, "
               f"#{ref.get('id')}) is not available here", file=sys.stderr, flush=True)

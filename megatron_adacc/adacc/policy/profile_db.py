@@ -90,6 +90,17 @@ class ProfileDB:
         db.path = found
         return db
 
+    @classmethod
+    def referenced(cls, ref: dict[str, Any] | None) -> LayerProfile | None:
+        """The profile a policy file's ``profile`` reference points at, read without creating or changing
+        anything (see :meth:`existing`); None when it is not there."""
+        ref = ref or {}
+        db = cls.existing(ref.get("db"))
+        try:
+            return db.get_by_id(int(ref["id"])) if db is not None else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
     def _connect(self) -> sqlite3.Connection:
         try:
             return sqlite3.connect(str(self.path), timeout=30)
