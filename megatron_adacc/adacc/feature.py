@@ -95,6 +95,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "the measured ones. It costs one extra layer forward at step 1, which raises the peak, so "
                         "by default it runs only for policies without the solver's prediction (presets, "
                         "hand-written files); a solved policy (auto) reports the solver's.")
+    g.add_argument("--adacc-trace-backward", action="store_true",
+                   help="Measure the peak memory of every backward stage (one op of one layer) of each step's first "
+                        "micro-batch and report the last step's beside the cost model's prediction (CPU, Linux). "
+                        "It sets glibc's mmap threshold to 64 KiB, which slows the run: a measuring tool.")
     g.add_argument("--adacc-chain-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="MILP: charge a whole recompute segment when an op's input is also recomputed "
                         "(--no-adacc-chain-aware gives the paper's per-op cost).")
@@ -115,6 +119,12 @@ def problems(args: Any) -> list[str]:
                      "--transformer-impl local")
     if getattr(args, "num_experts", None) is not None:
         found.append("--adacc-policy supports dense GPT layers only; drop --num-experts")
+    if getattr(args, "adacc_trace_backward", False) and getattr(args, "device", "cpu") != "cuda":
+        from megatron_adacc.adacc.runtime.stages import trace_problem
+
+        problem = trace_problem()
+        if problem is not None:
+            found.append(problem)
     return found
 
 

@@ -27,6 +27,16 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+_RESET_PEAKS = [0]
+"""The largest peak resident size seen before a reset of the process's own (Linux can reset it; a backward
+trace does, per stage), so that :func:`peak_memory_bytes` still answers for the whole process."""
+
+
+def note_peak_before_reset(nbytes: int) -> None:
+    """Called by whoever resets the process's peak resident size, with the peak it is about to reset."""
+    _RESET_PEAKS[0] = max(_RESET_PEAKS[0], int(nbytes))
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: max allocated since the last reset. CPU: this process's peak resident set size.
 
@@ -35,4 +45,4 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    return max(int(rss if sys.platform == "darwin" else rss * 1024), _RESET_PEAKS[0])

@@ -18,11 +18,12 @@ class Host:
 
     name = "none"
     runs_training = False
-    """Whether :meth:`peak_memory_bytes` can answer."""
+    """Whether :meth:`measure_run` can answer."""
 
-    def peak_memory_bytes(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> int | None:
-        """Peak memory of a short training run of this host with ``args`` changed by ``overrides``, run in a
-        process of its own with ``env`` added to its environment; None where the host cannot run one."""
+    def measure_run(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> dict | None:
+        """A short training run of this host with ``args`` changed by ``overrides``, run in a process of its own
+        with ``env`` added to its environment: ``{"peak_memory_bytes": N, "extensions": {name: report}}``; None
+        where the host cannot run one."""
         return None
 
 

@@ -1,9 +1,9 @@
 """``adacc train`` as a :class:`~megatron_adacc.core.host.Host`: it can run a short version of the user's own
-command in a process of its own and report its peak memory (``--adacc-policy auto`` calibrates its CPU budget
-with one).
+command in a process of its own and report its peak memory and its extensions' reports (``--adacc-policy auto``
+calibrates its CPU budget with one).
 
 Usage (internal): ``python -m megatron_adacc.training.host PAYLOAD``, PAYLOAD a ``torch.save`` of the parsed
-arguments; prints ``{"peak_memory_bytes": N}`` as the last line of standard output.
+arguments; prints ``{"peak_memory_bytes": N, "extensions": {...}}`` as the last line of standard output.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ class TrainHost(Host):
     name = "adacc train"
     runs_training = True
 
-    def peak_memory_bytes(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> int | None:
+    def measure_run(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> dict | None:
         data = pickled(SimpleNamespace(**{**vars(args), **_QUIET, **overrides}))
-        out = run_child(__name__, data, env) if data is not None else None
-        return None if out is None else int(out["peak_memory_bytes"])
+        return run_child(__name__, data, env) if data is not None else None
 
 
 def main(path: str) -> None:
@@ -38,7 +37,8 @@ def main(path: str) -> None:
 
     args = load_payload(path)
     summary = train(args)
-    print(json.dumps({"peak_memory_bytes": summary["peak_memory_bytes"]}), flush=True)
+    print(json.dumps({"peak_memory_bytes": summary["peak_memory_bytes"], "extensions": summary["extensions"]},
+                     default=str), flush=True)
 
 
 if __name__ == "__main__":

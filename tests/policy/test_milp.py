@@ -209,18 +209,19 @@ def test_pareto_front_is_nondominated_and_complete() -> None:
 
 def test_infeasible_budget_names_the_smallest_feasible_budget() -> None:
     prof = analytic_profile(SIG)
-    need = build_problem(prof, None).min_feasible_budget()
-    for strategy in (paper.solve, chain_aware.solve, heterogeneous.solve):
+    # the chain-aware model (and heterogeneous, chain-aware by default) also counts segment inputs
+    for strategy, chain in ((paper.solve, False), (chain_aware.solve, True), (heterogeneous.solve, True)):
+        need = build_problem(prof, None).min_feasible_budget(stash=chain)
         with pytest.raises(InfeasibleBudgetError, match=f"{need:,}") as info:
             strategy(build_problem(prof, need - 1000))
         assert info.value.min_feasible_bytes == need
-    # exactly the smallest feasible budget is feasible
-    assert paper.solve(build_problem(prof, need)).predicted_memory_bytes <= need
+        # exactly the smallest feasible budget is feasible
+        assert strategy(build_problem(prof, need)).predicted_memory_bytes <= need
 
 
 def test_first_op_is_never_recomputed_and_unbounded_budget_keeps_everything() -> None:
     prof = analytic_profile(SIG)
-    tight = build_problem(prof, build_problem(prof, None).min_feasible_budget())
+    tight = build_problem(prof, build_problem(prof, None).min_feasible_budget(stash=True))
     res = heterogeneous.solve(tight)
     assert all(layer[0].action != "recompute" for layer in res.decisions)
     free = paper.solve(build_problem(prof, None))
@@ -274,8 +275,10 @@ def test_no_outlier_separation_swaps_outlier_int4_for_per_token_int4_and_nothing
     codecs = lambda pol: {d.codec for layer in pol.layers for d in layer if d.codec}  # noqa: E731
     assert "int4_outlier" in codecs(with_sep)
     assert "int4_outlier" not in codecs(without) and "int4_symmetric" in codecs(without)
-    # the other layer-specific codecs stay what they were
-    assert codecs(with_sep) - {"int4_outlier"} <= codecs(without)
+    # the MILP is offered the same choices but for that one swap (the optimum may move elsewhere too)
+    offered = lambda problem: [[c.decision.label for c in cs] for cs in problem.choices]  # noqa: E731
+    swapped = [[label.replace("int4_outlier", "int4_symmetric") for label in op] for op in offered(probe)]
+    assert offered(build_problem(prof, None, codec_substitutes={"int4_outlier": "int4_symmetric"})) == swapped
 
 
 def test_an_infinite_outlier_z_is_refused_with_the_flag_that_does_what_it_meant() -> None:
@@ -289,28 +292,81 @@ def test_an_infinite_outlier_z_is_refused_with_the_flag_that_does_what_it_meant(
     assert parser.parse_args(["--adacc-no-outlier-separation"]).adacc_no_outlier_separation
 
 
-def test_a_decompressed_tensor_counts_with_its_gradient_and_recomputed_ones_add_up() -> None:
-    """The transient a layer adds in its backward: every recomputed op, plus the largest compressed op twice
-    (its decompressed copy and the gradient written beside it; measured on cpu-large, counting it once
-    under-predicted a mostly-compressed layer's peak by 22 MiB)."""
+def test_the_backward_bound_walks_the_stages_and_transients_at_different_stages_do_not_add_up() -> None:
+    """Issue 18, item 1: a recompute segment of the MLP (live while the MLP's backward runs) and a decompressed
+    attention tensor (live later, in the attention's backward) are never live together, so the layer's peak is
+    the larger of the two, not their sum. Each stage holds the gradients of its op, what the layer stored and
+    autograd has not freed yet, and what that stage re-materializes."""
     prof = analytic_profile(SIG)
     problem = build_problem(prof, None)
-    saved = [op.saved_bytes for op in prof.ops]
+    n, saved = problem.num_ops, [op.saved_bytes for op in prof.ops]
+    idx = {op.name: i for i, op in enumerate(prof.ops)}
 
-    def picks(action: str, where) -> list[int]:  # noqa: ANN001
-        return [next(k for k, c in enumerate(cs) if c.decision.action == (action if i in where else "keep"))
-                for i, cs in enumerate(problem.choices)]
+    def picks(**actions: str) -> list[int]:
+        return [next(k for k, c in enumerate(cs) if c.decision.action == actions.get(op.name, "keep"))
+                for op, cs in zip(prof.ops, problem.choices)]
 
-    compressible = [i for i, cs in enumerate(problem.choices) if any(c.decision.action == "compress" for c in cs)]
-    every = picks("compress", compressible)
-    assert problem.layer_remat(every) == 2 * max(saved[i] for i in compressible)
-    recomputed = [i for i in range(1, problem.num_ops) if saved[i]][:3]
-    assert problem.layer_remat(picks("recompute", recomputed)) == sum(saved[i] for i in recomputed)
-    assert problem.layer_remat(picks("keep", ())) == 0
-    # and the whole-model peak takes the larger of that and the logits' workspace
-    layers = [every] * problem.num_layers
-    assert problem.total_memory(layers) == (problem.fixed_bytes + problem.num_layers * problem.layer_memory(every)
-                                            + max(problem.workspace_bytes, 2 * max(saved[i] for i in compressible)))
+    keep = picks()
+    # keep-everything: a stage still holds the bytes whose reader has not run; the next op reads each here
+    expected = [sum(saved[k] for k in range(n) if min(k + 1, n - 1) <= s) for s in range(n)]
+    assert problem.stage_bytes(keep) == expected and problem.layer_excess(keep) == 0
+
+    mlp = picks(linear_fc1="recompute", activation="recompute", dropout="compress")
+    stages = problem.stage_bytes(mlp)
+    fc1, act, drop, fc2 = idx["linear_fc1"], idx["activation"], idx["dropout"], idx["linear_fc2"]
+    held = problem.layer_memory(mlp)
+
+    def held_at(s: int) -> float:  # what the ops read at or before stage s still hold
+        return sum(problem.choices[k][p].memory_bytes for k, p in enumerate(mlp) if min(k + 1, n - 1) <= s)
+
+    # the segment re-runs at linear_fc2's backward (its reader) and both values are live there ...
+    assert stages[fc2] == held_at(fc2) + saved[fc1] + saved[act]
+    # ... the decompressed dropout output is live in the backward of context, its reader, with the segment gone
+    assert stages[drop + 1] == held_at(drop + 1) + saved[drop]
+    peak = max(stages)
+    assert problem.layer_excess(mlp) == peak - held < saved[fc1] + saved[act] + saved[drop]
+    # and the whole model: every layer's stored bytes, with the larger of the workspace and that excess
+    layers = [mlp] * problem.num_layers
+    assert problem.total_memory(layers) == (problem.fixed_bytes + problem.num_layers * held
+                                            + max(problem.workspace_bytes, peak - held))
+
+
+def test_the_milps_bound_every_stage_exactly_as_the_cost_model_does() -> None:
+    """The per-stage constraints of both uniform MILPs are the cost model's, linear: at budgets between the
+    leanest and the richest policy each solution's exact peak fits, and brute force over all uniform policies
+    finds nothing faster (a 6-op problem with readers further away than the next op and gradients)."""
+    saved = [40.0, 90.0, 30.0, 120.0, 60.0, 50.0]
+    n = len(saved)
+    choices = []
+    for i, m in enumerate(saved):
+        cs = [Choice(Decision.keep(), m, 0.0), Choice(Decision.compress("int4_symmetric"), m / 4, m / 100.0,
+                                                      m / 300.0, 0.0, m)]
+        if i:
+            cs.append(Choice(Decision.recompute(), 0.0, m / 60.0, remat_bytes=m))
+        choices.append(cs)
+    consumers = [{1: 40.0}, {2: 60.0, 3: 30.0}, {2: 10.0, 3: 30.0}, {4: 120.0}, {5: 60.0}, {5: 50.0}]
+    grads = [10.0, 30.0, 20.0, 40.0, 25.0, 15.0]
+    for budget_fraction in (0.15, 0.4, 0.7):
+        problem = Problem(choices=choices, num_layers=3, static_bytes=5.0, budget_bytes=None,
+                          segment_time=lambda a, b: 0.0, workspace_bytes=70.0, consumers=consumers, grad_bytes=grads,
+                          op_names=[f"op{i}" for i in range(n)])
+        lo, hi = problem.min_feasible_budget(), problem.total_memory([[0] * n] * 3)
+        problem.budget_bytes = lo + budget_fraction * (hi - lo)
+        for strategy, chain in ((paper, False), (chain_aware, True)):
+            got = strategy.solve(problem)
+            best = brute_force.solve(problem, chain_aware=chain)
+            assert got.predicted_memory_bytes <= problem.budget_bytes
+            assert got.predicted_time_s == pytest.approx(best.predicted_time_s, abs=1e-12), (strategy.NAME,
+                                                                                              budget_fraction)
+            # the Pareto front holds the uniform optimum, so mixing layers is never slower
+            mixed = heterogeneous.solve(problem, chain_aware=chain, time_limit_s=None)
+            assert mixed.predicted_memory_bytes <= problem.budget_bytes
+            assert mixed.predicted_time_s <= best.predicted_time_s + 1e-12
+    # and its leanest point is the smallest budget any uniform policy fits
+    every = list(itertools.product(*(range(len(cs)) for cs in problem.choices)))
+    for chain in (False, True):
+        assert problem.min_feasible_budget(stash=chain) == math.ceil(
+            min(problem.total_memory([p] * 3, stash=chain) for p in every))
 
 
 def test_a_pulp_without_cbc_is_refused_with_the_fix(monkeypatch):

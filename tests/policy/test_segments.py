@@ -111,7 +111,9 @@ def test_a_kept_op_that_stores_nothing_still_splits_segments() -> None:
 
 def test_a_recomputed_op_that_stores_nothing_stays_in_its_segment() -> None:
     problem = _problem([8.0, 5.0, 0.0, 7.0])
-    assert problem.layer_remat([0, 1, 1, 1]) == 12.0
+    # the segment re-runs at op 3's backward and holds ops 1 and 3 there, beside op 0's 8 bytes
+    assert problem.stage_bytes([0, 1, 1, 1]) == [0.0, 8.0, 13.0, 20.0]
+    assert problem.layer_excess([0, 1, 1, 1]) == 12.0
     assert problem.layer_time([0, 1, 1, 1], chain_aware=True) == problem.segment_cost(1, 3, problem.choices[0][0])
 
 

@@ -17,6 +17,7 @@ from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
+from megatron_adacc.adacc.runtime import stages
 from megatron_adacc.core.devices import resolve_device
 from megatron_adacc.core.errors import AdaccError
 
@@ -176,7 +177,6 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
                log: Callable[[str], None]) -> None:
     """Measure a short keep-everything run of the user's command and store its process baseline."""
     from megatron_adacc.adacc.policy.io import save_policy
-    from megatron_adacc.adacc.policy.solver import evaluate_policy
     from megatron_adacc.core import host
 
     runner = host.current()
@@ -187,13 +187,35 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
         path = str(save_policy(keep_all, os.path.join(tmp, "keep-all.json")))
         log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
             "in a child process, once per profile and micro-batch size")
-        peak = runner.peak_memory_bytes(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy=path, train_iters=2,
-                                        adacc_no_evolution=True, adacc_predict_memory=False,
-                                        adacc_memory_budget=None, adacc_process_baseline_bytes=None)
-    if peak is None:
+        run = runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy=path, train_iters=2,
+                                 adacc_no_evolution=True, adacc_predict_memory=False, adacc_memory_budget=None,
+                                 adacc_process_baseline_bytes=None, adacc_trace_backward=stages.supported())
+    if run is None:
         log("calibration run failed; its error is above")
         return
-    db.put_baseline(int(ref["id"]), key, peak - int(evaluate_policy(profile, keep_all)["memory_bytes"]))
+    traced = (run.get("extensions") or {}).get("adacc", {}).get("backward_stages") or []
+    db.put_baseline(int(ref["id"]), key, baseline_from_run(profile, int(run["peak_memory_bytes"]), traced))
+
+
+def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[str, Any]]) -> int:
+    """The process memory outside the cost model, from a keep-everything run of ``profile``'s model: the largest
+    excess of a measured stage over its bound (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the
+    head and the stages of the layer that runs its backward first (the bound's own case), so that no stage of
+    the calibration run is predicted under what it measured; from the peak alone when the run was not traced."""
+    from megatron_adacc.adacc.policy.solver import make_problem
+
+    problem = make_problem(profile, None, SolveOptions())
+    keep = problem.stock_picks()
+    n = problem.num_layers
+    stored = problem.layer_memory(keep, stash=True)
+    bound = stages.bounds(problem.fixed_bytes, problem.workspace_bytes, [stored] * n,
+                          [problem.stage_bytes(keep, stash=True)] * n)
+    first = f"L{n - 1}/"
+    excess = [s["peak_bytes"] - bound[s["stage"]] for s in traced
+              if s["stage"] == "head" or s["stage"].startswith(first) and s["stage"] in bound]
+    if excess:
+        return int(round(max(excess)))
+    return int(round(peak_bytes - problem.total_memory([keep] * n, stash=True)))
 
 
 def resolve_policy(args: Any, config: Any, *, isolate: bool = False) -> Policy | str | None:

@@ -14,6 +14,7 @@ import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
+from megatron_adacc.adacc.runtime.stages import BackwardTrace
 from megatron_adacc.core.devices import peak_memory_bytes
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
 from megatron_adacc.core.units import format_bytes
@@ -24,11 +25,14 @@ class AdaccExtension(TrainingExtension):
 
     name = "adacc"
 
-    def __init__(self, policy: Any, config: Any, predict_memory: bool = True, budget_bytes: int | None = None):
+    def __init__(self, policy: Any, config: Any, predict_memory: bool = True, budget_bytes: int | None = None,
+                 trace_backward: bool = False):
         from megatron_adacc.adacc.integration import install
 
         self.policy = install(policy, config=config, predict_memory=predict_memory)
         self.budget_bytes = budget_bytes
+        self.trace_backward = trace_backward
+        self._stages: list = []
         self._meter = None
         self._outer_bytes = 0
         self._params: list = []
@@ -50,9 +54,13 @@ class AdaccExtension(TrainingExtension):
 
         @contextlib.contextmanager
         def metered():
-            with meter:
-                yield
-            self._outer_bytes = meter.nbytes
+            with contextlib.ExitStack() as stack:
+                trace = stack.enter_context(BackwardTrace()) if self.trace_backward else None
+                with meter:
+                    yield
+                self._outer_bytes = meter.nbytes
+            if trace is not None:
+                self._stages = trace.stages
 
         return metered()
 
@@ -84,6 +92,8 @@ class AdaccExtension(TrainingExtension):
             # the solver's figure when the layers' sizes were not profiled in this run (--adacc-predict-memory)
             out["layer_bytes_predicted"] = sum(r["activation_bytes"] for r in predicted["per_layer"])
         out.update(self._budget_check(predicted.get("memory_bytes")))
+        if self._stages:
+            out["backward_stages"] = _stages_report(self._stages, predicted)
         return out
 
     def _budget_check(self, predicted_peak: int | None) -> dict[str, Any]:
@@ -107,6 +117,20 @@ class AdaccExtension(TrainingExtension):
                 "over_budget": over}
 
 
+def _stages_report(stages: list, predicted: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured peak of each stage, beside the solver's bound for it where the policy has one
+    (:func:`~megatron_adacc.adacc.runtime.stages.bounds`)."""
+    from megatron_adacc.adacc.runtime.stages import bounds
+
+    per_layer = predicted.get("per_layer") or []
+    known: dict[str, float] = {}
+    if per_layer and "fixed_bytes" in predicted and all("stage_bytes" in p for p in per_layer):
+        known = bounds(predicted["fixed_bytes"], predicted.get("workspace_bytes", 0),
+                       [p["activation_bytes"] for p in per_layer], [p["stage_bytes"] for p in per_layer])
+    return [{"stage": s.label, "peak_bytes": s.peak_bytes,
+             **({"predicted_bytes": int(round(known[s.label]))} if s.label in known else {})} for s in stages]
+
+
 def build_extension(args: Any, config: Any) -> AdaccExtension:
     """The extension for ``--adacc-policy`` (called by ``adacc train`` before the model is built).
 
@@ -120,7 +144,8 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
     if predict is None:  # the solver's prediction, where there is one, costs nothing at run time
         predict = not (getattr(policy, "predicted", None) or {}).get("per_layer")
     return AdaccExtension(policy, config, predict_memory=bool(predict),
-                          budget_bytes=getattr(args, "adacc_memory_budget", None))
+                          budget_bytes=getattr(args, "adacc_memory_budget", None),
+                          trace_backward=bool(getattr(args, "adacc_trace_backward", False)))
 
 
 def build_extensions(args: Any, config: Any) -> list[TrainingExtension]:

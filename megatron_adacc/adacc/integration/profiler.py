@@ -160,14 +160,19 @@ def time_segments(ops: list, env: dict, repeats: int, sync: Sync, max_segment_op
     return segments
 
 
+def float_outputs(op: Any, env: dict) -> list[torch.Tensor]:
+    """The op's outputs a codec compresses: floating-point activations (no bias Parameters, no None)."""
+    return [env[name] for name in op.outputs if isinstance(env[name], torch.Tensor)
+            and not isinstance(env[name], torch.nn.Parameter) and env[name].is_floating_point()]
+
+
 def time_codecs(op: Any, env: dict, keys: set, sizes: Any, repeats: int, sync: Sync,
                 log: Callable[[str], None]) -> dict[str, CodecProfile]:
     """Compress and decompress time of each codec in ``keys`` on ``op``'s floating-point outputs in ``env``,
     with the compressed bytes the runtime attributed (``sizes``: the op's ``OpSizes``)."""
     from megatron_adacc.codecs import get_codec
 
-    outs = [env[name] for name in op.outputs if isinstance(env[name], torch.Tensor)
-            and not isinstance(env[name], torch.nn.Parameter) and env[name].is_floating_point()]
+    outs = float_outputs(op, env)
     codecs: dict[str, CodecProfile] = {}
     for key in keys:
         name, params = key[0], dict(key[1])
@@ -188,9 +193,40 @@ def time_codecs(op: Any, env: dict, keys: set, sizes: Any, repeats: int, sync: S
     return codecs
 
 
+def backward_transient(op: Any, env: dict, device: torch.device, repeats: int) -> int | None:
+    """The bytes ``op``'s backward has live beyond what the forward saved: the gradient arriving for its outputs,
+    the gradients it writes for what it reads and its own temporaries (a softmax's backward holds two more
+    tensors of its size). The median of ``repeats`` measured backwards; None where memory cannot be measured."""
+    from megatron_adacc.adacc.runtime.stages import transient_bytes
+
+    def inputs() -> dict:
+        # copies of fresh leaves: the backward must not reach the ops before this one, and softmax masks its
+        # input in place, which a leaf refuses
+        return {name: env[name].detach().requires_grad_(env[name].requires_grad).clone()
+                if isinstance(env[name], torch.Tensor) and not isinstance(env[name], torch.nn.Parameter)
+                else env[name] for name in op.inputs}
+
+    found = []
+    for _ in range(max(1, repeats)):
+        with torch.enable_grad():
+            outs = [v for v in op.run(inputs()).values() if isinstance(v, torch.Tensor) and v.requires_grad
+                    and not isinstance(v, torch.nn.Parameter)]
+        if not outs:
+            return 0
+        grads = [torch.ones_like(v) for v in outs]
+        peak = transient_bytes(lambda o=outs, g=grads: torch.autograd.backward(o, g), device)
+        if peak is None:
+            return None
+        found.append(peak + sum(g.untyped_storage().nbytes() for g in grads))
+        del outs, grads
+        op.layer.zero_grad(set_to_none=True)
+    return int(statistics.median(found))
+
+
 def op_profile(op: Any, forward_s: float, env: dict, keys: set, sizes: Any, repeats: int, sync: Sync,
                log: Callable[[str], None]) -> OpProfile:
-    """One op's profile: its saved bytes, forward time, codecs (timed) and per-codec stash bytes."""
+    """One op's profile: its saved bytes, forward time, codecs (timed), per-codec stash bytes, readers, and the
+    gradients of its backward by their sizes (:func:`backward_transient` measures them where it can)."""
     codecs = time_codecs(op, env, keys, sizes, repeats, sync, log)
     stash = {"keep": int(sum(sizes.stash_keep_bytes.values()))}
     for key in keys:
@@ -199,7 +235,9 @@ def op_profile(op: Any, forward_s: float, env: dict, keys: set, sizes: Any, repe
     if sizes.saved_bytes == 0:
         # nothing of this op is saved for backward: compressing it costs no time (only a stash would)
         codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}
-    return OpProfile(op.name, int(sizes.saved_bytes), float(forward_s), codecs, stash)
+    return OpProfile(op.name, int(sizes.saved_bytes), float(forward_s), codecs, stash, dict(sizes.consumer_bytes),
+                     int(sizes.grad_bytes), dict(sizes.freed_bytes),
+                     int(sizes.output_bytes))
 
 
 #: Calibration factors are clamped to this range: below it timing noise dominates, above it something is wrong
@@ -300,6 +338,13 @@ def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.
                    for spec, op, t in zip(OPS, ops, fwd)]
     log("profile: calibrating codec and recompute times inside the runtime")
     calibration = calibrate(sample, op_profiles, segments, fwd, repeats, sync)
+    # last: measuring memory on the CPU sets the allocator to return what is freed, which slows allocation
+    log("profile: memory of each op's backward")
+    with _fork_rng():
+        for op, profiled in zip(ops, op_profiles):
+            measured = backward_transient(op, env, device, repeats)
+            if measured is not None:
+                profiled.grad_bytes = measured
     codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
     log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
         f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")

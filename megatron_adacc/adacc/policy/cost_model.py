@@ -9,23 +9,32 @@ Two cost models share one problem description:
   rematerialized on its own from the nearest stored input, so an op whose input was also dropped costs
   the whole segment before it (``sum_k segment_time(a, k)``).
 
-Memory is the same in both: eq. 7-8's M_static + N_layer x sum_i M_i x (CRate_i or 1 or 0), plus the
-transient peak on top of the stored activations, which the paper leaves out and which decides whether a
-tight budget really holds: the larger of
+Memory is the same in both: eq. 7-8's M_static + N_layer x sum_i M_i x (CRate_i or 1 or 0), plus what the
+paper leaves out and what decides whether a tight budget really holds: the backward. Its peak is bounded stage by
+stage (in the spirit of Checkmate's per-stage memory and MONeT's bounds over all stages). A *stage* is the
+backward of one op of a layer. The layer that runs its backward first (the last one) has every other layer's
+stored bytes beside it, and at stage s it holds:
 
-* ``workspace_bytes``, the policy-independent transient (the logits and their gradient), and
-* the bytes one layer re-materializes in its backward while the earlier layers still hold what they
-  stored: every recomputed op (a segment is re-run as a whole and its values die as backward consumes
-  them; counting all of them is the safe side) plus the largest decompressed op (compressed tensors are
-  decompressed when their op's backward needs them and freed after it, one op at a time). A decompressed
-  op counts twice: the backward that reads the copy writes the gradient of the same tensor beside it, and
-  a layer that stored it compressed has freed little to make room (measured on cpu-large, micro-batch 8: a
-  mostly-compressed layer peaked 22 MiB above the single count, its largest tensor being 32 MiB). With
-  different policies per layer the largest layer counts.
+* the gradients of stage s (of op s's outputs and of what op s reads), whatever the policy;
+* what its ops stored and autograd has not freed yet: a saved tensor is freed after the backward of the earliest
+  op that reads it (profiled per op as ``freed``: the bytes freed after each reader), so stage s still holds
+  those whose earliest reader is at or before s (a compressed op in the same proportion);
+* a compressed op's decompressed copy, in the backward of each op that reads it (it is freed after it);
+* a recompute segment's values, from the stage that first needs one of them (the latest reader of any, where
+  the segment re-runs as a whole) down to the earliest reader of each, and its stored input and RNG states
+  until the re-run.
 
-A keep-everything policy re-materializes nothing, so its peak is the stored activations alone; a policy
-that drops every tensor re-materializes a whole layer during that layer's backward, as Megatron's full
-recompute does.
+So the recompute segment of the MLP and a decompressed attention tensor, live at different stages, no longer
+add up. The peak of a layer policy is the largest stage's bytes ``P``; ``P`` less what the layer stores is its
+*backward excess* E (never negative: the first stage still holds everything). For one or several layer policies
+the bound is ``M_fixed + sum of every layer's stored bytes + max(workspace, largest E among them)``, where
+the workspace is the policy-independent transient at the start of backward (the logits and their gradient),
+when every layer still holds all it stored. It is linear in the MILPs: one constraint per stage of the
+representative layer, with the other layers' stored bytes as a sum.
+
+A keep-everything policy re-materializes nothing, so its peak is the stored activations and the gradients of
+the first stage; a policy that drops every tensor re-materializes a whole layer during that layer's backward,
+as Megatron's full recompute does.
 """
 
 from __future__ import annotations
@@ -41,11 +50,10 @@ from megatron_adacc.adacc.policy.profile import LayerProfile
 # Python 3.11 looks enum members up through EnumType.__getattr__ (about 0.1 us each, ten times a string
 # comparison); the checks below run in the inner loops of the Pareto DP and the MILP graph, so they compare
 # with the members bound once here.
-_KEEP, _RECOMPUTE = Action.KEEP, Action.RECOMPUTE
+_KEEP, _COMPRESS, _RECOMPUTE = Action.KEEP, Action.COMPRESS, Action.RECOMPUTE
 
-DECOMPRESS_GRADIENT_FACTOR = 2.0
-"""A decompressed tensor's transient in units of its size: the copy plus its gradient (module docstring)."""
-
+StageBytes = dict[int, float]
+"""Bytes per backward stage (op index), for the stages something is live at."""
 
 @dataclass(frozen=True)
 class Choice:
@@ -62,9 +70,8 @@ class Choice:
     is not saved for backward anyway (the runtime holds it). The paper's eq. 8 ignores it; the chain-aware
     model counts it."""
     remat_bytes: float = 0.0
-    """Bytes this choice brings back during its layer's backward: M_i for recompute, 2 M_i for compress (the
-    copy and its gradient), 0 for keep. A layer's re-materialization is the sum over its recompute choices
-    plus the largest compress choice."""
+    """Bytes this choice brings back during its layer's backward (M_i for recompute and compress, 0 for keep);
+    the stages they are live at come from the op's readers (:attr:`Problem.consumers`)."""
 
     @property
     def is_recompute(self) -> bool:
@@ -95,6 +102,16 @@ class Problem:
     activation runs megatron's own forward and does not pay it."""
     op_names: list[str] | None = None
     """Defaults to the transformer layer's ops when there are 13 choice lists, else ``op0, op1, ...``."""
+    consumers: list[StageBytes] | None = None
+    """Per op, ``{reader op index: bytes it reads}``: whose backward reads what the op holds (module docstring).
+    Defaults to the next op reading all of it (the last op: itself)."""
+    freed: list[StageBytes] | None = None
+    """Per op, ``{op index: bytes}``: what autograd frees of the op's bytes after that op's backward (only the
+    proportions count). Defaults to all of it after its earliest reader's."""
+    grad_bytes: list[float] | None = None
+    """Per op, the gradients live during its backward whatever the policy. Defaults to none."""
+    output_bytes: list[float] | None = None
+    """Per op, its outputs at full size. Defaults to the bytes it brings back when recomputed or compressed."""
 
     def __post_init__(self) -> None:
         if self.op_names is None:
@@ -113,6 +130,24 @@ class Problem:
             for c in cs:
                 if c.memory_bytes < 0 or c.time_s < 0:
                     raise ValueError(f"op {self.op_names[i]!r}: negative memory or time in {c}")
+        n = self.num_ops
+        if self.consumers is None:
+            self.consumers = [{min(i + 1, n - 1): max(c.remat_bytes for c in cs)} for i, cs in enumerate(self.choices)]
+        if self.grad_bytes is None:
+            self.grad_bytes = [0.0] * n
+        if self.output_bytes is None:
+            self.output_bytes = [max(c.remat_bytes for c in cs) for cs in self.choices]
+        if self.freed is None:
+            self.freed = [{min(readers, default=i): 1.0} for i, readers in enumerate(self.consumers)]
+        if not len(self.consumers) == len(self.freed) == len(self.grad_bytes) == len(self.output_bytes) == n:
+            raise ValueError(f"consumers, freed, grad_bytes and output_bytes need one entry per op ({n})")
+        for i, (readers, freed) in enumerate(zip(self.consumers, self.freed)):
+            if any(c < i or c >= n for c in (*readers, *freed)) or not set(freed) <= set(readers) | {i}:
+                raise ValueError(f"op {self.op_names[i]!r}: its bytes can only be read, and freed, by the backward "
+                                 "of that op or of a later one that reads them")
+        # the latest stage reading an op's bytes (-1: none), and the share of them still held at each stage
+        self.reach = [max(readers, default=-1) for readers in self.consumers]
+        self.held_share = [_held_share(freed, i, n) for i, freed in enumerate(self.freed)]
 
     @property
     def num_ops(self) -> int:
@@ -133,21 +168,76 @@ class Problem:
         its re-materialization no larger than the mix's largest."""
         from megatron_adacc.adacc.policy.pareto import pareto_front  # a cycle at module level: pareto imports Problem
 
-        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.remat_bytes])
+        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.excess_bytes])
                    for p in pareto_front(self, chain_aware=stash))
         return int(math.ceil(self.fixed_bytes + best))
 
-    def transient_bytes(self, layer_remats: Sequence[float]) -> float:
-        """The transient peak on top of the stored activations: the workspace or the largest layer's
-        re-materialization, whichever is larger (they are not live at the same time)."""
-        return max([self.workspace_bytes, *layer_remats])
+    def transient_bytes(self, layer_excesses: Sequence[float]) -> float:
+        """The transient peak on top of every layer's stored bytes: the workspace or the largest backward excess,
+        whichever is larger (they are not live at the same time)."""
+        return max([self.workspace_bytes, *layer_excesses])
 
-    def layer_remat(self, picks: Sequence[int]) -> float:
-        """Bytes one layer with ``picks`` re-materializes in its backward: every recomputed op and the
-        largest decompressed one."""
+    # ---------------------------------------------------------------------------------- backward stages
+    def choice_stages(self, i: int, choice: Choice) -> StageBytes:
+        """Where a stored choice of op ``i`` is live in its layer's backward: what it holds, each part until its
+        earliest reader has run, and, compressed, the decompressed copy during each reader's backward."""
+        out: StageBytes = {}
+        if choice.memory_bytes:
+            for s, share in self.held_share[i].items():
+                out[s] = choice.memory_bytes * share
+        if choice.decision.action == _COMPRESS:
+            for s, nbytes in self.consumers[i].items():
+                out[s] = out.get(s, 0.0) + nbytes
+        return out
+
+    def segment_stages(self, a: int, b: int, before: Choice | None, *, stash: bool) -> StageBytes:
+        """Where recompute segment ``a..b`` is live: each op's values from the re-run (at the latest reader of
+        any of them) down to its earliest reader; with ``stash`` (the chain-aware model, which counts segment
+        inputs and re-runs) the stored input and RNG states until the re-run, and at the re-run its working set:
+        the input at full size when it was stored compressed (decompressed) or the segment changes it (a copy),
+        and the largest output of the segment that nothing saves (the scores softmax reads). ``before``: the
+        choice of op ``a - 1``."""
+        rerun = max(self.reach[a:b + 1])
+        out: StageBytes = {}
+        if rerun < 0:  # nothing of the segment is saved: it never re-runs
+            return out
+        if stash and before is not None:
+            spec = OPS_BY_NAME.get(self.op_names[a - 1])
+            copies = (before.decision.action == _COMPRESS) + bool(spec is not None and spec.changed_by_reader)
+            unsaved = max(max(0.0, self.output_bytes[k] - self.recompute_choice(k).remat_bytes)
+                          for k in range(a, b + 1))
+            out[rerun] = copies * self.output_bytes[a - 1] + unsaved
+        for k in range(a, b + 1):
+            nbytes = self.recompute_choice(k).remat_bytes
+            for s, share in self.held_share[k].items():
+                if s <= rerun:
+                    out[s] = out.get(s, 0.0) + nbytes * share
+        held = self.segment_memory(a, b, before) if stash and before is not None else 0.0
+        if held:
+            for s in range(rerun, self.num_ops):
+                out[s] = out.get(s, 0.0) + held
+        return out
+
+    def recompute_choice(self, i: int) -> Choice:
+        return next(c for c in self.choices[i] if c.is_recompute)
+
+    def stage_bytes(self, picks: Sequence[int], *, stash: bool = False) -> list[float]:
+        """The bytes a layer with ``picks`` holds at each stage of its backward (index s: op s's backward),
+        gradients included."""
+        total = list(self.grad_bytes)
         chosen = self._chosen(picks)
-        return (sum(c.remat_bytes for c in chosen if c.is_recompute)
-                + max([0.0] + [c.remat_bytes for c in chosen if not c.is_recompute]))
+        for i, c in enumerate(chosen):
+            if not c.is_recompute:
+                for s, nbytes in self.choice_stages(i, c).items():
+                    total[s] += nbytes
+        for seg in segments(c.is_recompute for c in chosen):
+            for s, nbytes in self.segment_stages(seg.start, seg.stop - 1, chosen[seg.start - 1], stash=stash).items():
+                total[s] += nbytes
+        return total
+
+    def layer_excess(self, picks: Sequence[int], *, stash: bool = False) -> float:
+        """A layer's backward excess: its largest stage's bytes less what it stores (module docstring)."""
+        return max(self.stage_bytes(picks, stash=stash)) - self.layer_memory(picks, stash=stash)
 
     # ------------------------------------------------------------------------------- evaluating a layer
     def layer_memory(self, picks: Sequence[int], *, stash: bool = False) -> float:
@@ -205,7 +295,7 @@ class Problem:
 
     def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
         return (self.fixed_bytes + sum(self.layer_memory(p, stash=stash) for p in layer_picks)
-                + self.transient_bytes([self.layer_remat(p) for p in layer_picks]))
+                + self.transient_bytes([self.layer_excess(p, stash=stash) for p in {tuple(p) for p in layer_picks}]))
 
     def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
         return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)
@@ -249,7 +339,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
             params = (codec_params or {}).get(codec, {})
             cs.append(Choice(Decision.compress(codec, **params), float(cp.compressed_bytes),
                              (cp.compress_time_s + cp.decompress_time_s) * cs_scale, cp.decompress_time_s * cs_scale,
-                             float(op.stash_bytes.get(codec, 0)), DECOMPRESS_GRADIENT_FACTOR * float(op.saved_bytes)))
+                             float(op.stash_bytes.get(codec, 0)), float(op.saved_bytes)))
         if spec.recomputable:
             cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s * rc_scale,
                              remat_bytes=float(op.saved_bytes)))
@@ -270,4 +360,33 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         per_tensor=per_tensor,
         redecompress_segment_input=redecompress_segment_input,
         runtime_overhead_s=float(profile.runtime_overhead_s),
+        consumers=_by_index(profile, "consumers"),
+        freed=_by_index(profile, "freed"),
+        grad_bytes=[float(op.grad_bytes) for op in profile.ops],
+        output_bytes=(None if any(op.output_bytes is None for op in profile.ops)
+                      else [float(op.output_bytes) for op in profile.ops]),
     )
+
+
+def _by_index(profile: LayerProfile, field: str) -> list[StageBytes] | None:
+    """A per-op ``{op name: bytes}`` field of the profile keyed by op index; None (the cost model's default) for
+    profiles without it."""
+    if any(getattr(op, field) is None for op in profile.ops):
+        return None
+    index = {op.name: i for i, op in enumerate(profile.ops)}
+    return [{index[name]: float(nbytes) for name, nbytes in getattr(op, field).items()} for op in profile.ops]
+
+
+def _held_share(freed: StageBytes, i: int, n: int) -> StageBytes:
+    """``{stage: share}``: the share of op ``i``'s bytes still held at each stage of the backward (stages from
+    n - 1 down): all of it until the first part is freed. An op whose bytes are unknown (none saved) is held
+    whole until its own backward."""
+    total = sum(freed.values())
+    if total <= 0:
+        return {s: 1.0 for s in range(i, n)}
+    out: StageBytes = {}
+    held = 0.0
+    for s in range(min(freed), n):
+        held += freed.get(s, 0.0)
+        out[s] = held / total
+    return out

@@ -56,6 +56,9 @@ class OpSpec:
     """False only for the layer's first op, whose output is the checkpoint (eq. 6)."""
     uses_rng: bool = False
     """Draws from a random generator (dropout): recomputing it needs a saved copy of the RNG states."""
+    changed_by_reader: bool = False
+    """The op that reads this output changes it in place (softmax masks the scores): a recompute segment that
+    starts after it re-runs on a copy, so the stored value stays intact."""
 
 
 # Plain INT4 (the paper's "Quantization" baseline) and GACT's stochastic quantizer apply everywhere;
@@ -63,15 +66,17 @@ class OpSpec:
 _GENERIC = ("int4_symmetric", "stochastic")
 
 
-def _spec(name: str, default: str, *extra: str, recomputable: bool = True, uses_rng: bool = False) -> OpSpec:
+def _spec(name: str, default: str, *extra: str, recomputable: bool = True, uses_rng: bool = False,
+          changed_by_reader: bool = False) -> OpSpec:
     codecs = (default,) + tuple(c for c in extra + _GENERIC if c != default)
-    return OpSpec(name=name, default_codec=default, codecs=codecs, recomputable=recomputable, uses_rng=uses_rng)
+    return OpSpec(name=name, default_codec=default, codecs=codecs, recomputable=recomputable, uses_rng=uses_rng,
+                  changed_by_reader=changed_by_reader)
 
 
 OPS: tuple[OpSpec, ...] = (
     _spec("input_layernorm", "int4_outlier", recomputable=False),
     _spec("linear_qkv", "int4_channelwise"),
-    _spec("scores", "int4_asymmetric"),
+    _spec("scores", "int4_asymmetric", changed_by_reader=True),
     _spec("softmax", "int4_asymmetric"),
     # The runtime compresses an op's float tensors with the decision's codec and keeps non-float ones, so
     # the dropout op's float output (saved by the context matmul) takes one-sided INT4; "bitmask" only

@@ -2,12 +2,19 @@
 
 A layer policy is a sequence of stored ops (kept or compressed) separated by recompute segments, so the
 DP state is "op j is stored with choice k": moving to the next stored op j' adds the segment j+1..j'-1
-and the choice at j'. Dominated partial policies are pruned at every state, which is exact because both
-memory and time are sums over the (segment, stored op) steps.
+and the choice at j'.
 
-Each point has three costs: the bytes the layer stores, the bytes it re-materializes in its backward (the
-transient of :mod:`megatron_adacc.adacc.policy.cost_model`) and the time. A point is dropped only when another is
-no worse in all three, so the smallest feasible budget and every uniform optimum are on the front.
+Each point has three costs: the bytes the layer stores, its peak over its backward stages (the per-stage bound of
+:mod:`megatron_adacc.adacc.policy.cost_model`) and the time. A point is dropped only when another is no worse in
+all three: then it is no worse in any bound the solvers use (``sum of stored bytes + max(workspace, peak - stored)``
+over the layers, replacing one layer's policy by one with at most its stored bytes and peak). So the smallest
+feasible budget and every uniform optimum are on the front.
+
+The pruning of prefixes is exact too. After the DP has stored op j, every stage up to j is final (a stage only
+holds what ops at or before it produced, and their segments are complete), so a prefix is its stored bytes, its
+time, the largest of its final stages and what it leaves on the later stages beyond its stored bytes (a
+decompression or a re-run still to come, bytes freed before their reader has run). Prefixes that leave the same
+are compared on the first three.
 """
 
 from __future__ import annotations
@@ -25,15 +32,13 @@ class ParetoPoint:
     """Bytes the layer stores for backward."""
     time_s: float
     picks: tuple[int, ...]
-    recompute_bytes: float = 0.0
-    """Bytes of the layer's recomputed ops (summed: see :meth:`Problem.layer_remat`)."""
-    decompress_bytes: float = 0.0
-    """Re-materialized bytes of the layer's largest compressed op (its copy and gradient)."""
+    peak_bytes: float = 0.0
+    """The layer's largest backward stage (:meth:`Problem.stage_bytes`)."""
 
     @property
-    def remat_bytes(self) -> float:
-        """Bytes the layer re-materializes in its backward."""
-        return self.recompute_bytes + self.decompress_bytes
+    def excess_bytes(self) -> float:
+        """The layer's backward excess: its peak over what it stores."""
+        return self.peak_bytes - self.memory_bytes
 
 
 def _prune(points: list[ParetoPoint], cost) -> list[ParetoPoint]:
@@ -62,74 +67,94 @@ def _prune(points: list[ParetoPoint], cost) -> list[ParetoPoint]:
     return out
 
 
-def _recompute_cost(p: ParetoPoint) -> float:
-    return p.recompute_bytes
-
-
-def _remat_cost(p: ParetoPoint) -> float:
-    return p.remat_bytes
+def _peak(p: ParetoPoint) -> float:
+    return p.peak_bytes
 
 
 def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
-    """Every single-layer policy not dominated in (memory, re-materialization, time), by increasing memory.
-
-    A layer re-materializes the sum of its recomputed ops plus its largest compressed op (a max, which does
-    not extend additively from a prefix). So the DP runs once per cap on the largest compressed op, offering
-    only compress choices within the cap; inside one run prefixes compare on (memory, time, recomputed
-    bytes), which is exact, and the union of the runs is pruned on the full re-materialization.
-    """
-    caps = sorted({c.remat_bytes for cs in problem.choices for c in cs if not c.is_recompute})
-    points: list[ParetoPoint] = []
-    for cap in caps:
-        points.extend(_front_capped(problem, chain_aware, cap))
-    if problem.runtime_overhead_s:
-        # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
-        # among them holds, and keep-all (the most memory) cannot dominate any of them
-        points = [p if problem.is_stock(p.picks) else
-                  ParetoPoint(p.memory_bytes, p.time_s + problem.runtime_overhead_s, p.picks, p.recompute_bytes,
-                              p.decompress_bytes) for p in points]
-    return _prune(points, _remat_cost)
-
-
-def _front_capped(problem: Problem, chain_aware: bool, cap: float) -> list[ParetoPoint]:
+    """Every single-layer policy not dominated in (stored bytes, backward peak, time), by increasing memory."""
     n = problem.num_ops
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
     recomputable = [k is not None for k in rec]
+    grad = problem.grad_bytes
 
     def segment_time(seg: range, before: Choice) -> float:
         if chain_aware:
             return problem.segment_cost(seg.start, seg.stop - 1, before)
         return sum(problem.choices[i][rec[i]].time_s for i in seg)
 
-    # states[j][k]: Pareto set of prefixes 0..j that store op j with choice k
-    states: list[dict[int, list[ParetoPoint]]] = [dict() for _ in range(n)]
+    # states[j][(k, ahead)]: prefixes 0..j that store op j with choice k and leave ``ahead`` on stages j+1..
+    states: list[dict[tuple, list[_Prefix]]] = [dict() for _ in range(n)]
     for k, c in enumerate(problem.choices[0]):
-        if not c.is_recompute and c.remat_bytes <= cap:
-            states[0][k] = [ParetoPoint(c.memory_bytes, c.time_s, (k,), 0.0, c.remat_bytes)]
+        if not c.is_recompute:
+            _extend(states[0], problem, k, _Prefix(0.0, 0.0, (), float("-inf"), ()), (), c, 0, -1, grad)
     final: list[ParetoPoint] = []
     for j in range(n):
-        for k, prefix in states[j].items():
-            # the ops after j up to the next stored op nxt are recomputed
+        for (k, _), prefixes in states[j].items():
+            before = problem.choices[j][k]
             for seg in candidate_segments(recomputable, j + 1):
                 nxt = seg.stop
-                seg_cost = segment_time(seg, problem.choices[j][k]) if seg else 0.0
+                seg_cost = segment_time(seg, before) if seg else 0.0
                 seg_picks = tuple(rec[i] for i in seg)
-                seg_remat = sum(problem.choices[i][rec[i]].remat_bytes for i in seg)
-                stash = (problem.segment_memory(seg.start, seg.stop - 1, problem.choices[j][k])
-                         if chain_aware and seg else 0.0)
-                if nxt == n:
-                    final.extend(ParetoPoint(p.memory_bytes + stash, p.time_s + seg_cost, p.picks + seg_picks,
-                                             p.recompute_bytes + seg_remat, p.decompress_bytes) for p in prefix)
-                else:
+                stages = (problem.segment_stages(seg.start, seg.stop - 1, before, stash=chain_aware) if seg else {})
+                held = problem.segment_memory(seg.start, seg.stop - 1, before) if chain_aware and seg else 0.0
+                for p in prefixes:
+                    q = _Prefix(p.memory + held, p.time + seg_cost, p.picks + seg_picks, p.peak,
+                                _add(p.ahead, stages, j, held))
+                    if nxt == n:
+                        peak = max([q.peak] + [grad[s] + q.memory + q.ahead[s - j - 1] for s in range(j + 1, n)])
+                        final.append(ParetoPoint(q.memory, q.time, q.picks, peak))
+                        continue
                     for k2, c2 in enumerate(problem.choices[nxt]):
-                        if c2.is_recompute or c2.remat_bytes > cap:
-                            continue
-                        bucket = states[nxt].setdefault(k2, [])
-                        bucket.extend(ParetoPoint(p.memory_bytes + stash + c2.memory_bytes,
-                                                  p.time_s + seg_cost + c2.time_s, p.picks + seg_picks + (k2,),
-                                                  p.recompute_bytes + seg_remat,
-                                                  max(p.decompress_bytes, c2.remat_bytes)) for p in prefix)
+                        if not c2.is_recompute:
+                            _extend(states[nxt], problem, k2, q, q.ahead, c2, nxt, j, grad)
         if j + 1 < n:
-            for k2 in states[j + 1]:
-                states[j + 1][k2] = _prune(states[j + 1][k2], _recompute_cost)
-    return _prune(final, _remat_cost)
+            for key in states[j + 1]:
+                states[j + 1][key] = _prune_prefixes(states[j + 1][key])
+    if problem.runtime_overhead_s:
+        # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
+        # among them holds, and keep-all (the most memory) cannot dominate any of them
+        final = [p if problem.is_stock(p.picks) else
+                 ParetoPoint(p.memory_bytes, p.time_s + problem.runtime_overhead_s, p.picks, p.peak_bytes)
+                 for p in final]
+    return _prune(final, _peak)
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    memory: float
+    time: float
+    picks: tuple[int, ...]
+    peak: float
+    """The largest final stage."""
+    ahead: tuple[float, ...]
+    """Bytes on each later stage beyond ``memory``, from the first stage not yet final."""
+
+
+def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: float) -> tuple[float, ...]:
+    """``ahead`` (stages after ``last``) plus ``stages``, less ``held``: bytes just added to the stored ones that
+    ``stages`` already places."""
+    out = list(ahead)
+    for s, nbytes in stages.items():
+        out[s - last - 1] += nbytes
+    return tuple(x - held for x in out)
+
+
+def _extend(bucket: dict, problem: Problem, k2: int, q: _Prefix, ahead: tuple[float, ...], c2: Choice, nxt: int,
+            last: int, grad: list[float]) -> None:
+    """Store op ``nxt`` with choice ``k2`` after prefix ``q``, whose ``ahead`` starts after stage ``last``: stages
+    ``last + 1 .. nxt`` become final."""
+    n = problem.num_ops
+    if not ahead:
+        ahead = (0.0,) * (n - last - 1)
+    full = _add(ahead, problem.choice_stages(nxt, c2), last, c2.memory_bytes)
+    memory = q.memory + c2.memory_bytes
+    peak = max([q.peak] + [grad[s] + memory + full[s - last - 1] for s in range(last + 1, nxt + 1)])
+    rest = full[nxt - last:]
+    key = (k2, tuple(round(x, 3) for x in rest))
+    bucket.setdefault(key, []).append(_Prefix(memory, q.time + c2.time_s, q.picks + (k2,), peak, rest))
+
+
+def _prune_prefixes(prefixes: list[_Prefix]) -> list[_Prefix]:
+    points = [ParetoPoint(p.memory, p.time, (i,), p.peak) for i, p in enumerate(prefixes)]
+    return [prefixes[p.picks[0]] for p in _prune(points, _peak)]

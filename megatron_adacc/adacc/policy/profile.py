@@ -13,12 +13,13 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 """The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
 them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
 mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
 counted one layer's activations, which the cost model now derives per policy); 3 added ``runtime_overhead_s``,
-the runtime's fixed per-layer cost, and times ``step_time_s`` through megatron's own forward."""
+the runtime's fixed per-layer cost, and times ``step_time_s`` through megatron's own forward; 4 added each op's
+``consumers``, ``freed``, ``grad_bytes`` and ``output_bytes``, from which the cost model bounds every backward stage."""
 
 
 @dataclass
@@ -54,6 +55,18 @@ class OpProfile:
     stash_bytes: dict[str, int] = field(default_factory=dict)
     """Extra bytes to hold this op's outputs as the stored input of a following recompute segment, per
     storage (``keep`` or a codec name); 0 when the outputs are saved for backward anyway."""
+    consumers: dict[str, int] | None = None
+    """``{op name: bytes}``: the ops whose backward reads what this op holds, with the bytes each reads (a
+    compressed tensor is decompressed in each). None: read by the next op only (shape-formula and synthetic
+    profiles)."""
+    grad_bytes: int = 0
+    """Gradients live during this op's backward whatever the policy (of its outputs and of what it reads)."""
+    freed: dict[str, int] | None = None
+    """``{op name: bytes}``: what autograd frees of this op's bytes after that op's backward (each storage after its
+    earliest reader's). None: all of them after the next op's."""
+    output_bytes: int | None = None
+    """The op's outputs at full size (what a recompute segment starting after it materializes again when the op
+    is compressed). None: its saved bytes."""
 
     def crate(self, codec: str) -> float:
         """CRate of ``codec`` on this op (compressed / original bytes)."""
@@ -64,13 +77,23 @@ class OpProfile:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "saved_bytes": int(self.saved_bytes), "forward_time_s": float(self.forward_time_s),
                 "codecs": {k: v.to_json() for k, v in self.codecs.items()},
-                "stash_bytes": {k: int(v) for k, v in self.stash_bytes.items()}}
+                "stash_bytes": {k: int(v) for k, v in self.stash_bytes.items()},
+                "consumers": None if self.consumers is None else {k: int(v) for k, v in self.consumers.items()},
+                "freed": None if self.freed is None else {k: int(v) for k, v in self.freed.items()},
+                "grad_bytes": int(self.grad_bytes),
+                "output_bytes": None if self.output_bytes is None else int(self.output_bytes)}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> OpProfile:
+        def by_op(key: str) -> dict[str, int] | None:
+            value = obj.get(key)
+            return None if value is None else {str(k): int(v) for k, v in value.items()}
+
         return cls(str(obj["name"]), int(obj["saved_bytes"]), float(obj["forward_time_s"]),
                    {k: CodecProfile.from_json(v) for k, v in obj.get("codecs", {}).items()},
-                   {k: int(v) for k, v in obj.get("stash_bytes", {}).items()})
+                   {k: int(v) for k, v in obj.get("stash_bytes", {}).items()},
+                   by_op("consumers"), int(obj.get("grad_bytes", 0)), by_op("freed"),
+                   None if obj.get("output_bytes") is None else int(obj["output_bytes"]))
 
 
 @dataclass

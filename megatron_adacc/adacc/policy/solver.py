@@ -90,9 +90,12 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     policy.predicted["static_bytes"] = int(problem.static_bytes)
     policy.predicted["workspace_bytes"] = int(problem.workspace_bytes)
     policy.predicted["activation_bytes"] = int(round(result.predicted_memory_bytes - problem.fixed_bytes))
+    policy.predicted["fixed_bytes"] = int(round(problem.fixed_bytes))
     policy.predicted["per_layer"] = [
         {"activation_bytes": int(round(problem.layer_memory(p, stash=options.chain_aware))),
-         "time_s": problem.layer_time(p, chain_aware=options.chain_aware)} for p in result.layer_picks]
+         "time_s": problem.layer_time(p, chain_aware=options.chain_aware),
+         "stage_bytes": [int(round(b)) for b in problem.stage_bytes(p, stash=options.chain_aware)]}
+        for p in result.layer_picks]
     return policy, result
 
 

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES, Action, segments
-from megatron_adacc.adacc.runtime import accounting
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME, Action, segments
+from megatron_adacc.adacc.policy.policy import Decision
+from megatron_adacc.adacc.runtime import accounting, stages
 from megatron_adacc.adacc.runtime.ops import (
     LAYER_INPUTS,
     PRODUCER,
@@ -109,7 +110,8 @@ class MaskCodec:
         mask = codec_for("bitmask", {}).decompress(p.bits)
         if p.scale is None:
             return mask
-        return mask.to(p.dtype) * p.scale
+        # in place: a float mask is as large as the activation it drops, and backward is where memory peaks
+        return mask.to(p.dtype).mul_(p.scale)
 
 
 MASK_CODEC = MaskCodec()
@@ -152,13 +154,22 @@ class _Handle(SavedHandle):
 
 
 class _Compressed(_Handle):
-    __slots__ = ("codec", "packed", "op")
+    """A compressed tensor. Saved twice (an op output two autograd nodes save, or one node saving it twice), it
+    is packed once, and unpacked once for as long as the first copy lives: autograd unpacks every saved tensor of
+    a node when it runs, and a second decompressed copy in that backward would cost its full size again."""
+
+    __slots__ = ("codec", "packed", "op", "_copy")
 
     def __init__(self, codec: Any, packed: Any, op: str):
         self.codec, self.packed, self.op = codec, packed, op
+        self._copy: weakref.ref | None = None
 
     def unpack(self) -> torch.Tensor:
-        return self.codec.decompress(self.packed)
+        copy = self._copy() if self._copy is not None else None
+        if copy is None:
+            copy = self.codec.decompress(self.packed)
+            self._copy = weakref.ref(copy)
+        return copy
 
 
 class _Recomputed(_Handle):
@@ -211,6 +222,7 @@ def rng_state_nbytes(states: tuple) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ segments
+_CHANGED_BY_READER = frozenset(value for value, op in PRODUCER.items() if OPS_BY_NAME[op].changed_by_reader)
 @dataclass
 class _StashEntry:
     value: Any                 # a tensor, a _Handle, a Parameter or None
@@ -237,7 +249,7 @@ class _Segment:
                 value = value.detach()
                 if entry.requires_grad:
                     value.requires_grad_(True)
-                if name == "scores":
+                if name in _CHANGED_BY_READER:
                     # softmax masks its input in place (megatron's attention_mask_func); in-place ops on a
                     # leaf that requires grad are refused, and the stored scores must stay intact.
                     value = value.clone()
@@ -478,6 +490,7 @@ def checkpointed_layer_forward(
         return frame.pack(t)
 
     last_use = _last_uses(ops)
+    trace = stages.active()
     for index, op in enumerate(ops):
         seg = frame.segment_of.get(op.name)
         if seg is not None and seg.ops[0] is op:
@@ -485,12 +498,18 @@ def checkpointed_layer_forward(
             if seg.needs_rng:
                 seg.rng = _capture_rng()
         frame.current_op, frame.pack_index = op.name, 0
+        if trace is not None:
+            trace.enter_forward(layer_index, op.name)
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             outputs = op.run(env)
         env.update(outputs)
         frame.register_outputs(op.name, outputs)
+        if trace is not None:
+            trace.mark(layer_index, op.name, outputs)
         frame.release(env, last_use.get(index, ()))
     output = env["output"]
+    if trace is not None:
+        trace.enter_forward(None, None)
 
     if accounting.is_enabled():
         accounting.record(_measure(frame, hidden_states, layer_index))
@@ -509,6 +528,11 @@ def stock_layer_forward(
     activation: the op decomposition and its per-tensor bookkeeping buy nothing there and cost a few percent
     of step time. With accounting on, a plain pack hook files what the layer saves, as
     :func:`checkpointed_layer_forward` does."""
+
+    if stages.active() is not None and torch.is_grad_enabled():
+        # a backward trace reports op by op: the decomposition runs the same ops and saves the same tensors
+        return checkpointed_layer_forward(layer, _KEEP_ALL, hidden_states, attention_mask, rotary_pos_emb,
+                                          layer_index=layer_index)
 
     def call() -> torch.Tensor:
         out = layer(hidden_states=hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
@@ -536,6 +560,9 @@ def stock_layer_forward(
                                   input_bytes=hidden_states.untyped_storage().nbytes(),
                                   stock_bytes=kept.storage_bytes, shared=shared))
     return output
+
+
+_KEEP_ALL = {name: Decision.keep() for name in OP_NAMES}
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

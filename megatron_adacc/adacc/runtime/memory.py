@@ -63,6 +63,15 @@ class OpSizes:
     """Per output: extra bytes to hold it as a segment input when the op is kept (0 if already saved)."""
     stash_compressed_bytes: dict[str, dict[CodecKey, int]] = field(default_factory=dict)
     """Per output and codec: extra packed bytes to hold it as a segment input when the op is compressed."""
+    consumer_bytes: dict[str, int] = field(default_factory=dict)
+    """Per op whose backward reads them: the bytes of this op's saved storages that op saved (a compressed tensor
+    is decompressed in the backward of each)."""
+    freed_bytes: dict[str, int] = field(default_factory=dict)
+    """Per op: the bytes of this op's saved storages freed after that op's backward, the earliest (in forward
+    order) of those reading them (autograd frees a saved storage with the last node holding it)."""
+    grad_bytes: int = 0
+    """Gradients live during this op's backward whatever the policy: of its outputs (arriving) and of the
+    activations it reads (being written)."""
 
     def compress_cost(self, key: CodecKey) -> int:
         if key not in self.compressed_bytes:
@@ -119,6 +128,8 @@ def profile_layer_sizes(
     producer: dict[int, tuple[str, str]] = {}
     # op -> dedup key -> (tensor, is an op output)
     saved: dict[str, dict[tuple, tuple[torch.Tensor, bool]]] = {name: {} for name in OP_NAMES}
+    # owner op -> consumer op -> the owner's tensors that consumer's autograd nodes saved
+    consumed: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in OP_NAMES}
     counts = {name: 0 for name in OP_NAMES}
     current = {"op": ""}
 
@@ -131,6 +142,7 @@ def profile_layer_sizes(
         # Mirror the runtime: only op outputs (alive for the whole forward) are deduplicated by geometry.
         key = tensor_key(t) if name is not None else ("internal", counts[owner])
         saved[owner].setdefault(key, (t, name is not None))
+        consumed[owner].setdefault(current["op"], []).append(t)
         return t
 
     env = initial_env(inputs, attention_mask, rotary_pos_emb)
@@ -141,6 +153,7 @@ def profile_layer_sizes(
             current["op"] = op.name
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outputs = op.run(env)
+            sizes[op.name].grad_bytes = _grad_bytes([env[n] for n in op.inputs] + list(outputs.values()))
             env.update(outputs)
             for name, value in outputs.items():
                 if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
@@ -154,6 +167,8 @@ def profile_layer_sizes(
         saved_ptrs = {storage_ptr(t) for t, _ in tensors.values()}
         s.saved_bytes = unique_storage_bytes(t for t, _ in tensors.values())
         s.saved_count = counts[name]
+        s.consumer_bytes = {consumer: unique_storage_bytes(ts) for consumer, ts in consumed[name].items()}
+        s.freed_bytes = _freed_bytes(consumed[name])
         op = next(o for o in ops if o.name == name)
         outs = [env[o] for o in op.outputs if isinstance(env[o], torch.Tensor)
                 and not isinstance(env[o], torch.nn.Parameter)]
@@ -171,6 +186,28 @@ def profile_layer_sizes(
                 for key in codecs[name]
             }
     return LayerSizes(ops=sizes, input_bytes=hidden_states.untyped_storage().nbytes(), rng_bytes=rng_bytes)
+
+
+def _freed_bytes(consumed: Mapping[str, list[torch.Tensor]]) -> dict[str, int]:
+    """``{op: bytes}``: each storage in ``consumed`` (readers' op name -> tensors) under its earliest reader."""
+    first: dict[int, tuple[int, torch.Tensor]] = {}
+    for consumer, tensors in consumed.items():
+        order = OP_NAMES.index(consumer)
+        for t in tensors:
+            ptr = storage_ptr(t)
+            if ptr not in first or order < first[ptr][0]:
+                first[ptr] = (order, t)
+    out: dict[str, int] = {}
+    for order, t in first.values():
+        name = OP_NAMES[order]
+        out[name] = out.get(name, 0) + unique_storage_bytes([t])
+    return out
+
+
+def _grad_bytes(values: Iterable[Any]) -> int:
+    """Bytes of the gradients of ``values`` that are activations (float tensors requiring grad, not parameters)."""
+    return unique_storage_bytes(v for v in _flat(list(values)) if isinstance(v, torch.Tensor) and v.requires_grad
+                                and not isinstance(v, torch.nn.Parameter))
 
 
 def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey) -> int:

@@ -79,39 +79,30 @@ def check_budget(problem: Problem, *, stash: bool = False) -> float | None:
     return problem.budget_bytes - problem.fixed_bytes
 
 
-def decompress_caps(problem: Problem, room: float | None) -> list[float | None]:
-    """The values the largest decompressed op of a layer can take: 0 and each compress choice's size.
-
-    The backward bound holds the largest decompressed op, a max. Modeled with a continuous variable above every
-    compress choice the LP relaxation is too weak (CBC took seconds on a 96-layer model); instead the MILP is
-    solved once per cap with the compress choices above it removed and the cap as a constant, and the best
-    answer wins. A layer has only a handful of distinct tensor sizes, so there are few caps. With no budget
-    there is nothing to cap (``[None]``).
-    """
-    if room is None:
-        return [None]
-    sizes = {c.remat_bytes for cs in problem.choices for c in cs if not c.is_recompute}
-    return sorted(sizes | {0.0})
+def add_memory_bounds(prob: pulp.LpProblem, problem: Problem, room: float, stored: pulp.LpAffineExpression,
+                      stages: list[pulp.LpAffineExpression]) -> None:
+    """The memory bound of one policy used by every layer, linear (:mod:`..cost_model`): at the start of backward
+    every layer holds what it stored beside the workspace, and at each backward stage s of the layer that runs
+    its backward first the other layers hold what they stored. ``stored`` is one layer's stored bytes and
+    ``stages[s]`` its bytes at stage s but the gradients, both in units of :func:`memory_unit`."""
+    unit = memory_unit(room)
+    others = problem.num_layers - 1
+    prob += problem.num_layers * stored + problem.workspace_bytes / unit <= room / unit, "memory_start_of_backward"
+    for s, live in enumerate(stages):
+        prob += others * stored + live + problem.grad_bytes[s] / unit <= room / unit, f"memory_stage_{s}"
 
 
-def best_over_caps(problem: Problem, room: float | None, solve_capped, *, chain_aware: bool) -> list[int] | None:
-    """The fastest of ``solve_capped(cap)`` (picks or None) over :func:`decompress_caps`; None if none fits."""
-    best: tuple[float, list[int]] | None = None
-    for cap in decompress_caps(problem, room):
-        picks = solve_capped(cap)
-        if picks is not None:
-            t = problem.layer_time(picks, chain_aware=chain_aware)
-            if best is None or t < best[0]:
-                best = (t, picks)
-    # The MILPs' objectives leave out the runtime's fixed cost, which only keep-everything escapes: where it
-    # fits, it wins any tie the solver broke the other way.
+def prefer_stock(problem: Problem, picks: list[int] | None, *, chain_aware: bool) -> list[int] | None:
+    """``picks``, or keep-everything where it fits and is no slower. The MILPs' objectives leave out the
+    runtime's fixed cost, which only keep-everything escapes, so CBC may break that tie the other way."""
     keep = problem.stock_picks()
-    if keep is not None and (problem.budget_bytes is None or problem.total_memory(
-            [keep] * problem.num_layers, stash=chain_aware) <= problem.budget_bytes):
-        t = problem.layer_time(keep, chain_aware=chain_aware)
-        if best is None or t < best[0]:
-            best = (t, keep)
-    return best[1] if best else None
+    if keep is None or (problem.budget_bytes is not None and problem.total_memory(
+            [keep] * problem.num_layers, stash=chain_aware) > problem.budget_bytes):
+        return picks
+    if picks is None or problem.layer_time(keep, chain_aware=chain_aware) < problem.layer_time(
+            picks, chain_aware=chain_aware):
+        return keep
+    return picks
 
 
 def run_cbc(prob: pulp.LpProblem) -> str:

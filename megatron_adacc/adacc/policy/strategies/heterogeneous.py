@@ -3,7 +3,8 @@
 A budget between two uniform policies is met by giving some layers the cheaper, larger policy and the
 rest a leaner one. Layers are identical, so only the number of layers per Pareto policy matters: integer
 ``n_p >= 0`` with ``sum n_p = N_layer``, ``M_fixed + sum n_p M_p + max(W, max_{n_p > 0} R_p) <= budget``
-(R_p: the bytes policy p re-materializes in backward, W: the workspace), minimize ``sum n_p T_p``.
+(R_p: policy p's backward excess, its peak backward stage over what it stores; W: the workspace), minimize
+``sum n_p T_p``.
 Any uniform policy is dominated by a Pareto point used in every layer, so this is never worse than the
 uniform optimum under the same cost model.
 
@@ -13,8 +14,8 @@ That integer program is a cardinality-constrained knapsack whose optimality proo
 1. every mix of at most two Pareto policies, exactly and in closed form (for a leaner policy p and a
    richer q, the most q-layers that fit); the LP relaxation's optimum is such a mix, so this is the
    rounding of the relaxation and already contains every uniform policy;
-2. the MILP in CBC over the policies that re-materialize no more than step 1's answer does (so the transient
-   term is a constant), warm-started from step 1, within ``time_limit_s``; its answer replaces step 1's
+2. the MILP in CBC over the policies whose backward excess is no larger than step 1's answer's (so the
+   transient term is a constant), warm-started from step 1, within ``time_limit_s``; its answer replaces step 1's
    when it is better. ``status`` is ``Optimal`` when CBC proved optimality and that restriction excluded
    no policy, else ``Feasible``.
 """
@@ -39,7 +40,7 @@ def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float |
     """Layer counts per Pareto point of the best mix of at most two points that fits ``room`` bytes (the
     budget less the fixed bytes)."""
     M = np.array([p.memory_bytes for p in front])
-    R = np.array([p.remat_bytes for p in front])
+    R = np.array([p.excess_bytes for p in front])
     T = np.array([p.time_s for p in front])
     L = num_layers
     counts = [0] * len(front)
@@ -48,7 +49,7 @@ def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float |
         return counts
     # every point alone
     alone = np.where(L * M + np.maximum(workspace_bytes, R) <= room, L * T, np.inf)
-    # lean point i in L - m layers and rich point j in 1 <= m < L layers: both re-materializations count
+    # lean point i in L - m layers and rich point j in 1 <= m < L layers: both excesses count
     lean_m, rich_m = M[:, None], M[None, :]
     avail = room - np.maximum(workspace_bytes, np.maximum(R[:, None], R[None, :]))
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -81,11 +82,11 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
     proven = False
     if counts and len(front) > 2 and room is not None:
         prob = pulp.LpProblem("adacc_heterogeneous", pulp.LpMinimize)
-        # The transient is fixed at step 1's (the largest re-materialization among its policies, or the
-        # workspace): only policies that re-materialize no more are offered, so the bound stays a plain
+        # The transient is fixed at step 1's (the largest backward excess among its policies, or the
+        # workspace): only policies with no larger excess are offered, so the bound stays a plain
         # knapsack (a binary per policy to track the largest one used makes the relaxation too weak to help).
-        peak = max([W] + [pt.remat_bytes for pt, c in zip(front, counts) if c])
-        n = [prob.add_variable(f"n_{p}", lowBound=0, upBound=L if pt.remat_bytes <= peak else 0, cat="Integer")
+        peak = max([W] + [pt.excess_bytes for pt, c in zip(front, counts) if c])
+        n = [prob.add_variable(f"n_{p}", lowBound=0, upBound=L if pt.excess_bytes <= peak else 0, cat="Integer")
              for p, pt in enumerate(front)]
         prob += pulp.lpSum(pt.time_s * MS * v for pt, v in zip(front, n))
         prob += pulp.lpSum(n) == L, "every_layer_one_policy"
@@ -95,7 +96,7 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
             v.setInitialValue(c)
         prob.solve(cbc(warmStart=True, timeLimit=time_limit_s))
         if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            proven = prob.sol_status == pulp.LpSolutionOptimal and all(pt.remat_bytes <= peak for pt in front)
+            proven = prob.sol_status == pulp.LpSolutionOptimal and all(pt.excess_bytes <= peak for pt in front)
             milp = [int(round(v.value() or 0)) for v in n]
             if sum(milp) == L and _time(front, milp) < _time(front, counts) - 1e-12 and \
                     _memory(front, milp, W) <= room:
@@ -121,4 +122,4 @@ def _time(front: list[ParetoPoint], counts: list[int]) -> float:
 def _memory(front: list[ParetoPoint], counts: list[int], workspace_bytes: float) -> float:
     """Bytes above the fixed ones: every layer's stored bytes and the transient peak."""
     return (sum(c * p.memory_bytes for c, p in zip(counts, front))
-            + max([workspace_bytes] + [p.remat_bytes for c, p in zip(counts, front) if c]))
+            + max([workspace_bytes] + [p.excess_bytes for c, p in zip(counts, front) if c]))

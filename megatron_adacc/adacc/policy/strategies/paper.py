@@ -10,11 +10,12 @@ from megatron_adacc.adacc.policy.cost_model import Problem
 from megatron_adacc.adacc.policy.strategies.base import (
     MS,
     SolveResult,
-    best_over_caps,
+    add_memory_bounds,
     check_budget,
     finish_uniform,
     memory_unit,
     picked,
+    prefer_stock,
     run_cbc,
 )
 
@@ -22,16 +23,14 @@ NAME = "paper"
 
 
 def solve(problem: Problem) -> SolveResult:
-    """Minimize sum_i T_comp_i R_i0 + (T_c_i + T_dc_i) R_i1 (eq. 4) subject to eq. 5-8 and the transient bound."""
+    """Minimize sum_i T_comp_i R_i0 + (T_c_i + T_dc_i) R_i1 (eq. 4) subject to eq. 5-8 and the backward stages."""
     t0 = time.perf_counter()
     room = check_budget(problem)
-    picks = best_over_caps(problem, room, lambda cap: _solve_capped(problem, room, cap), chain_aware=False)
+    picks = prefer_stock(problem, _solve(problem, room), chain_aware=False)
     return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=False)
 
 
-def _solve_capped(problem: Problem, room: float | None, cap: float | None) -> list[int] | None:
-    """The MILP with no compressed op larger than ``cap`` bytes (the largest decompressed op then costs at
-    most ``cap`` in the backward bound); None when infeasible."""
+def _solve(problem: Problem, room: float | None) -> list[int] | None:
     unit = memory_unit(room)
     prob = pulp.LpProblem("adacc_paper", pulp.LpMinimize)
     # R_{i,t}: one binary per op and choice; choices carry their own action (recompute/compress/keep).
@@ -42,16 +41,34 @@ def _solve_capped(problem: Problem, room: float | None, cap: float | None) -> li
         prob += pulp.lpSum(row) == 1, f"eq5_one_choice_{i}"
     # eq. 6 (R_{1,0} = 0): the problem offers the first op no recompute choice (checked by Problem).
     if room is not None:
-        for i, cs in enumerate(problem.choices):
-            for k, c in enumerate(cs):
-                if not c.is_recompute and c.remat_bytes > cap:
-                    x[i][k].upBound = 0
-        stored = problem.num_layers * pulp.lpSum(c.memory_bytes / unit * x[i][k]
-                                                 for i, cs in enumerate(problem.choices) for k, c in enumerate(cs))
-        recomputed = pulp.lpSum(c.remat_bytes / unit * x[i][k] for i, cs in enumerate(problem.choices)
-                                for k, c in enumerate(cs) if c.is_recompute)
-        # eq. 7-8, with the transient peak: max(workspace, one layer's re-materialization) as two bounds
-        prob += stored + problem.workspace_bytes / unit <= room / unit, "eq7_eq8_memory"
-        prob += stored + recomputed <= (room - cap) / unit, "eq7_eq8_memory_backward"
+        stored = pulp.lpSum(c.memory_bytes / unit * x[i][k]
+                            for i, cs in enumerate(problem.choices) for k, c in enumerate(cs))
+        stages = [pulp.lpSum(nbytes / unit * x[i][k] for i, cs in enumerate(problem.choices)
+                             for k, c in enumerate(cs) if not c.is_recompute
+                             for t, nbytes in problem.choice_stages(i, c).items() if t == s)
+                  + _recomputed_at(prob, problem, x, s, unit) for s in range(problem.num_ops)]
+        add_memory_bounds(prob, problem, room, stored, stages)  # eq. 7-8 with the backward stages
     status = run_cbc(prob)
     return picked(x) if status == "Optimal" else None
+
+
+def _recomputed_at(prob: pulp.LpProblem, problem: Problem, x: list, s: int, unit: float) -> pulp.LpAffineExpression:
+    """The recomputed bytes live at stage ``s``: op k's values are (their share not yet freed) from their re-run
+    down to their earliest readers, which reaches s when some op i of the segment is read at s or later, i.e. when ops
+    k..i (or i..k) are all recomputed. A continuous ``z`` above each such conjunction carries op k's bytes; the
+    bound only ever pushes it down, to the conjunction's value."""
+    n = problem.num_ops
+    rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
+    terms = []
+    for k in range(n):
+        share = problem.held_share[k].get(s, 0.0)
+        if rec[k] is None or not share or not problem.choices[k][rec[k]].remat_bytes:
+            continue
+        z = prob.add_variable(f"z_{k}_{s}", lowBound=0, upBound=1)
+        for i in range(n):
+            lo, hi = min(i, k), max(i, k)
+            if problem.reach[i] < s or any(rec[j] is None for j in range(lo, hi + 1)):
+                continue
+            prob += z >= pulp.lpSum(x[j][rec[j]] for j in range(lo, hi + 1)) - (hi - lo), f"rerun_{k}_{s}_{i}"
+        terms.append(problem.choices[k][rec[k]].remat_bytes * share / unit * z)
+    return pulp.lpSum(terms)

@@ -1,0 +1,83 @@
+"""Measures, in a process of its own, the per-stage backward peaks of one profiled layer under several policies,
+beside the cost model's bound for each stage (for test_backward_stages.py). The process must run with
+MALLOC_MMAP_THRESHOLD_=65536 from its start: otherwise glibc serves large tensors from heap memory freed
+earlier (by the profiler) and the resident size stops following them. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from megatron.core.tensor_parallel.random import _fork_rng
+
+from megatron_adacc.adacc.integration.profiler import profile_layer
+from megatron_adacc.adacc.integration.sample import layer_sample
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.policy import Decision, Policy
+from megatron_adacc.adacc.policy.solver import SolveOptions, make_problem
+from megatron_adacc.adacc.runtime import checkpointed_layer_forward, stages
+from megatron_adacc.training import distributed
+from megatron_adacc.training import model as model_lib
+from megatron_adacc.training.args import parse_train_args
+
+ARGV = ["--config", "tiny", "--device", "cpu", "--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size",
+        "1024", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "4"]
+
+
+def _mixed() -> dict[str, Decision]:
+    """The MLP recomputed, the attention compressed: transients the old bound added up."""
+    out = {name: Decision.keep() for name in OP_NAMES}
+    out.update(linear_fc1=Decision.recompute(), activation=Decision.recompute(),
+               softmax=Decision.compress("int4_asymmetric"), dropout=Decision.compress("int4_asymmetric"),
+               context=Decision.compress("int4_outlier", z_threshold=3.0))
+    return out
+
+
+POLICIES = {
+    "keep": Policy.all_keep(1).layer_decisions(0),
+    "recompute": Policy.preset("all-recompute", 1).layer_decisions(0),
+    "quantize": Policy.quantize_all(1).layer_decisions(0),
+    "mixed": _mixed(),
+}
+
+
+def measured(sample, decisions) -> dict[str, int]:
+    # parameter gradients exist before backward, as in training (Megatron's gradient buffers, counted in the
+    # static memory): a first backward allocating them would grow every later stage by them
+    for param in sample.layer.parameters():
+        param.grad = torch.zeros_like(param)
+    with _fork_rng(), stages.BackwardTrace() as trace:
+        x = sample.hidden.detach().requires_grad_(True)
+        out = checkpointed_layer_forward(sample.layer, decisions, x, sample.mask, sample.rope, layer_index=0)
+        out.backward(torch.ones_like(out))
+        del out, x
+    return {s.label[3:]: s.peak_bytes for s in trace.stages if s.label.startswith("L0/")}
+
+
+def predicted(problem, decisions) -> list[float]:
+    picks = [next(k for k, c in enumerate(cs) if c.decision.action == decisions[name].action
+                  and c.decision.codec == decisions[name].codec) for name, cs in zip(OP_NAMES, problem.choices)]
+    return problem.stage_bytes(picks, stash=True)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    args = parse_train_args(ARGV)
+    device = torch.device("cpu")
+    distributed.initialize(device, args.seed)
+    config = model_lib.transformer_config(args, device)
+    sample = layer_sample(args, config, device)
+    problem = make_problem(profile_layer(sample, args, config, device=device, repeats=1), None,
+                           SolveOptions(codecs="all"), num_layers=1)
+    out = {}
+    for name, decisions in POLICIES.items():
+        measured(sample, decisions)  # warm-up: the first run's first-touch allocations are not the layer's
+        # the least of three runs per stage: what the allocator's small blocks add varies from run to run
+        runs = [measured(sample, decisions) for _ in range(3)]
+        out[name] = {"measured": {op: min(run[op] for run in runs) for op in runs[0]},
+                     "predicted": predicted(problem, decisions)}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The cost model's per-stage backward bound against the runtime's measured per-stage peaks (issue 18, item 1).
+
+One megatron-core layer, profiled as ``--adacc-policy auto`` profiles it, runs its forward and backward through
+the runtime under a :class:`~megatron_adacc.adacc.runtime.stages.BackwardTrace` with four policies (keep, full
+recompute, INT4 everywhere, and the MLP recomputed with the attention compressed). What a stage measured less
+what the cost model bounds it by is the memory the model does not see (the interpreter, the parameters, the
+inputs): it should be the same constant for every stage of every policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.runtime import stages
+
+pytestmark = pytest.mark.skipif(not stages.supported(), reason="per-stage peaks need Linux's /proc/self/clear_refs")
+
+WORKER = Path(__file__).with_name("stage_oracle_worker.py")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _offsets(run: dict) -> dict[str, float]:
+    """Measured less predicted per stage. Softmax masks the scores in place, after which autograd no longer calls
+    their gradient hook: the scores' backward runs inside the softmax stage, compared with the larger bound."""
+    bounds = dict(zip(OP_NAMES, run["predicted"]))
+    bounds["softmax"] = max(bounds.pop("scores"), bounds["softmax"])
+    assert set(run["measured"]) == set(bounds)  # a stage per op, whatever the policy
+    return {op: run["measured"][op] - bound for op, bound in bounds.items()}
+
+
+def test_every_stage_of_every_policy_is_off_by_one_constant(traced):
+    offsets = {(name, op): v for name, run in traced.items() for op, v in _offsets(run).items()}
+    largest = max(max(run["predicted"]) for run in traced.values())
+    low, high = min(offsets, key=offsets.get), max(offsets, key=offsets.get)
+    detail = f"lowest {low} {offsets[low] / MiB:+.2f} MiB, highest {high} {offsets[high] / MiB:+.2f} MiB"
+    # The largest stage is ~37 MiB and the layer's transients 4-16 MiB each: a bound that added two of them, or
+    # kept a stored tensor past its reader, is off by more than a quarter of it. Measured: 8 MiB, the two ends
+    # being the MLP segment's re-run (its working set is counted on top of the stage's gradients, which the
+    # backward allocates after the re-run: 4 MiB on the safe side) and INT4 everywhere's last stage (2 MiB under).
+    assert offsets[high] - offsets[low] <= 0.25 * largest, detail
+
+
+def test_calibrated_on_keep_everything_the_bound_holds_every_policy_s_peak(traced):
+    """As ``auto`` calibrates the process memory (the largest excess of a keep-everything run's stages), every
+    policy's measured peak is at most its predicted one plus that, within 15% of the policy's own largest stage,
+    and no further below it than the stages' error. (INT4 everywhere measured 1.9 MiB over, 11% of its 18 MiB
+    largest stage, in its last stages: its codecs' scales and offsets are blocks under the 64 KiB mmap threshold,
+    which the heap keeps as the backward frees them.)"""
+    baseline = max(_offsets(traced["keep"]).values())
+    for name, run in traced.items():
+        peak, bound, largest = max(run["measured"].values()), max(run["predicted"]) + baseline, max(run["predicted"])
+        assert bound - 0.2 * largest <= peak <= bound + 0.15 * largest, (name, (peak - bound) / MiB)
