@@ -62,8 +62,10 @@ def train_method(flags: list[str], memory_run: bool = True, timeout: float = 180
     timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout)
     out = {k: timed.get(k) for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
                                      "peak_memory_bytes", "losses", "valid_loss")}
-    # what the features report that a benchmark may read (policy evolution's switches); not per-layer detail
-    keys = ("switches", "tracking_iterations", "policy", "decisions", "predicted_peak_bytes", "over_budget")
+    # what the features report that a benchmark may read (policy evolution's switches and outlier counts, the
+    # paper's Fig. 4); not per-layer detail
+    keys = ("switches", "tracking_iterations", "outlier_channels", "policy", "decisions", "predicted_peak_bytes",
+            "over_budget")
     out["extensions"] = {name: {k: v for k, v in rep.items() if k in keys}
                          for name, rep in (timed.get("extensions") or {}).items()}
     out["peak_memory_source"] = timed["peak_memory_kind"]

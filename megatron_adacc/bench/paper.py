@@ -8,8 +8,10 @@
   final-loss differences in percent, and the baseline again with another seed: the run-to-run spread that
   tells a real difference from a different trajectory.
 * Fig. 7 — Adacc with and without adaptive policy evolution.
+* Fig. 4 — outlier channels per op against the iteration, as evolution sampled them in the Fig. 7 runs with
+  evolution on (nothing extra runs: :mod:`megatron_adacc.bench.outliers`).
 
-Writes ``benchmarks/results/paper.json``, three PNGs and ``benchmarks/REPORT.md``. On the CPU, memory is peak
+Writes ``benchmarks/results/paper.json``, four PNGs and ``benchmarks/REPORT.md``. On the CPU, memory is peak
 RSS from low-fragmentation runs (docs/measuring.md) and the budget is in those terms; on CUDA it is
 ``max_memory_allocated``.
 """
@@ -21,7 +23,7 @@ import re
 import statistics
 from pathlib import Path
 
-from megatron_adacc.bench import harness
+from megatron_adacc.bench import harness, outliers
 from megatron_adacc.bench.common import interleaved_runs, keep_all_offset, profile_for, train_method
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
 
@@ -72,8 +74,9 @@ def add_arguments(parser) -> None:
                         help="Fig. 7: alternating runs of Adacc with and without evolution per micro-batch, "
                              "compared by their medians (default 3; 1 with --quick).")
     parser.add_argument("--parts", default="fig5,fig6,fig7",
-                        help="Comma-separated parts to run (fig5 includes Table 3); the others are taken from the "
-                             "recorded paper.json, so one figure can be re-measured without the rest.")
+                        help="Comma-separated parts to run (fig5 includes Table 3, fig7 the outlier counts of "
+                             "Fig. 4); the others are taken from the recorded paper.json, so one figure can be "
+                             "re-measured without the rest.")
     parser.add_argument("--report-only", action="store_true",
                         help="Rebuild the plots and REPORT.md from the recorded paper.json; runs nothing.")
 
@@ -396,6 +399,13 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
     ax.set(xlabel="micro-batch size", ylabel="tokens / s", title="Fig. 7: adaptive policy evolution")
     ax.legend()
     files["evolution"] = _save(plt, fig, out / "paper_evolution.png")
+
+    fig4 = outliers.recorded_series(evolution)
+    if fig4 is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        outliers.draw(ax, fig4[1])
+        ax.set_title(f"Fig. 4: outlier channels during training (micro-batch {fig4[0]})")
+        files["outliers"] = _save(plt, fig, out / "paper_outliers.png")
     return files
 
 
@@ -533,6 +543,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
     if "evolution" in pngs:
         lines += ["", f"![Fig. 7]({pngs['evolution']})"]
     lines += ["", "**Reading.** " + _evolution_reading(evolution, cfg.get("fig7_repeats", 1)), ""]
+    lines += outliers.report_section(evolution, pngs.get("outliers"))
     return "\n".join(lines)
 
 

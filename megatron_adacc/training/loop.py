@@ -341,6 +341,10 @@ def _summary(args, device, world, n_micro, losses, step_times, saved_bytes, exte
     }
 
 
+#: Longest extension figure the printed summary shows in full.
+_SUMMARY_WIDTH = 200
+
+
 def _print_summary(s: dict) -> None:
     peak_label = "peak allocated (CUDA)" if s["peak_memory_kind"] == "cuda_max_allocated" else "peak RSS"
     lines = [
@@ -357,7 +361,9 @@ def _print_summary(s: dict) -> None:
     ]
     for name, report in s["extensions"].items():
         for key, value in report.items():
-            shown = format_bytes(value) if "bytes" in key and isinstance(value, (int, float)) else value
+            shown = str(format_bytes(value) if "bytes" in key and isinstance(value, (int, float)) else value)
+            if len(shown) > _SUMMARY_WIDTH:  # a series (evolution's outlier counts): whole in --output-json
+                shown = shown[:_SUMMARY_WIDTH - 30] + " ... (in full in --output-json)"
             lines.append(f"  {name}.{key}: {shown}")
     print("\n".join(line for line in lines if line))
 

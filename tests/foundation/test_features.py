@@ -26,6 +26,12 @@ def test_auto_policy_trains_with_evolution():
     assert "adacc" in summary["extensions"]
     evolution = summary["extensions"]["adacc_evolution"]
     assert evolution["tracking_iterations"] == [1, 2, 4]
+    # every op offering outlier-separated INT4 was sampled on each tracking iteration, whatever its decision
+    from megatron_adacc.adacc.integration.outlier_probe import OUTLIER_OPS
+
+    series = evolution["outlier_channels"]
+    assert series["iterations"] == [1, 2, 4] and set(series["ops"]) == set(OUTLIER_OPS)
+    assert all(len(v) == 3 and None not in v for v in series["ops"].values())
     assert summary["final_loss"] < summary["first_loss"]
 
 

@@ -153,3 +153,34 @@ def test_fig7_alternates_evolution_on_and_off_and_keeps_the_median_run() -> None
     assert "losses" not in on
     # a failed run is left out of the median, not counted as zero throughput
     assert (off["tokens_per_s"], off["tokens_per_s_runs"]) == (1075, [1100, 1050])
+
+
+def test_fig4_draws_and_tabulates_the_outlier_counts_the_evolution_runs_recorded(tmp_path) -> None:
+    """Fig. 4 runs nothing: it is the series policy evolution reported in the Fig. 7 runs with evolution on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_adacc.bench import outliers
+
+    data = _recorded()
+    assert "Fig. 4" not in _rebuilt_report(tmp_path, data)  # results recorded before the series: no section
+    series = {"iterations": [1, 2, 4, 8], "channels": {"linear_fc1": 1024, "mlp_bda": 256},
+              "profiled": {"linear_fc1": 30}, "ops": {"linear_fc1": [31.5, 20.0, 12.0, 8.0],
+                                                      "mlp_bda": [2.0, None, 2.5, 3.0]}}
+    data["evolution"]["adacc"]["8"]["extensions"] = {"adacc_evolution": {"switches": [],
+                                                                         "outlier_channels": series}}
+    report = _rebuilt_report(tmp_path, data)
+    assert "## Fig. 4 — outlier channels during training" in report and "at micro-batch 8" in report
+    assert "| op | channels | profiled | iteration 1 | iteration 8 |" in report
+    assert "| linear_fc1 | 1024 | 30 | 31.5 | 8 |" in report
+    assert "| mlp_bda | 256 | - | 2 | 3 |" in report
+    assert "1 of 2 ops fell and 1 rose" in report
+    assert "![Fig. 4](paper_outliers.png)" in report and (tmp_path / "paper_outliers.png").stat().st_size > 0
+
+    fig, ax = plt.subplots()  # the plotted lines are the series (a missing sample is skipped, not zero)
+    outliers.draw(ax, series)
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    plt.close(fig)
+    assert lines == {"linear_fc1": ([1, 2, 4, 8], [31.5, 20.0, 12.0, 8.0]), "mlp_bda": ([1, 4, 8], [2.0, 2.5, 3.0])}

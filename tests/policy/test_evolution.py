@@ -1,46 +1,57 @@
-"""Adaptive policy evolution on synthetic outlier statistics."""
+"""Adaptive policy evolution on synthetic outlier statistics: every op offering outlier-separated INT4 is
+sampled, whatever the policy does with it, so a recomputed op whose outliers fall can become compressed."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
 
-from megatron_adacc.adacc.integration.evolution import PolicyEvolution, tracking_iterations
-from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC
-from megatron_adacc.adacc.policy.profile import analytic_profile
+from megatron_adacc.adacc.integration.evolution import OutlierSeries, PolicyEvolution, resampled, tracking_iterations
+from megatron_adacc.adacc.integration.outlier_probe import OUTLIER_OPS, OpSample
+from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC, Action
+from megatron_adacc.adacc.policy.profile import CodecProfile, analytic_profile
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
+from megatron_adacc.codecs import get_codec
 
 SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=256, micro_batch_size=2,
            dtype="float32", num_layers=8, megatron_core_version="0.16.1")
+#: The output shape of each outlier op ([s, b, h], or [s, b, ffn] for the MLP's up projection and activation).
+SHAPES = {op: (SIG["seq_length"], SIG["micro_batch_size"],
+               SIG["ffn_hidden_size"] if op in ("linear_fc1", "activation") else SIG["hidden_size"])
+          for op in OUTLIER_OPS}
+HIGH = 0.8  # outlier fraction at profile time: outlier-separated INT4 then barely beats keeping
 
 
-class DriftingOutliers:
-    """Reports the compressed bytes the runtime would measure for the current policy's int4_outlier ops:
-    the original profile's sizes times ``factor(iteration)``."""
+class SampledOutliers:
+    """What the probe would report: every outlier op's output with ``fraction(iteration)`` of its channels
+    outliers, whatever the policy does with the op."""
 
-    def __init__(self, profile, factor):
-        self.profile, self.factor, self.iteration = profile, factor, 0
-        self.calls = []
+    def __init__(self, fraction):
+        self.fraction, self.iteration = fraction, 0
+        self.armed, self.calls = [], []
+
+    def setup(self, model) -> None:
+        pass
+
+    def arm(self) -> None:
+        self.armed.append(self.iteration)
 
     def measure(self, policy):
         self.calls.append(self.iteration)
-        out = {}
-        for op, d in policy.layer_decisions(0).items():
-            if d.action == "compress" and d.codec == OUTLIER_CODEC:
-                out[op] = self.profile.op(op).codecs[OUTLIER_CODEC].compressed_bytes * self.factor(self.iteration)
-        return out
+        f = self.fraction(self.iteration)
+        return {op: OpSample(f * shape[-1], shape[-1], (shape,), torch.float32) for op, shape in SHAPES.items()}
 
 
-def setup(factor, frac=0.2):
-    # many outliers at first: outlier-separated INT4 barely beats recompute on memory
-    profile = analytic_profile(SIG, outlier_fraction=0.25, codec_bytes_per_s=2e10)
+def setup(fraction, high=HIGH, frac=0.2):
+    profile = analytic_profile(SIG, outlier_fraction=high, codec_bytes_per_s=2e10)
     probe = make_problem(profile, None, SolveOptions())
     lo = probe.min_feasible_budget(stash=True)
     hi = probe.fixed_bytes + SIG["num_layers"] * sum(cs[0].memory_bytes for cs in probe.choices)
     budget = lo + frac * (hi - lo)
     policy, _ = solve_policy(profile, budget)
-    source = DriftingOutliers(profile, factor)
+    source = SampledOutliers(fraction)
     applied = []
     evo = PolicyEvolution(profile=profile, policy=policy, budget_bytes=budget, source=source,
                           apply=applied.append, cap=8, log=lambda m: None)
@@ -50,7 +61,13 @@ def setup(factor, frac=0.2):
 def run(evo, source, iterations):
     for it in range(1, iterations + 1):
         source.iteration = it
+        evo.on_step_begin(it)
         evo.on_step_end(it, loss=1.0)
+
+
+def recomputed_everywhere(policy) -> set[str]:
+    return {op for op in OUTLIER_OPS
+            if all(policy.layer_decisions(i)[op].action == Action.RECOMPUTE for i in range(policy.num_layers))}
 
 
 def test_schedule_is_exponential_backoff_up_to_the_cap() -> None:
@@ -60,46 +77,87 @@ def test_schedule_is_exponential_backoff_up_to_the_cap() -> None:
         next(tracking_iterations(0))
 
 
-def test_stable_stream_never_switches() -> None:
-    evo, source, applied, policy = setup(lambda it: 1.0)
-    assert any(d.codec == OUTLIER_CODEC for d in policy.layers[0]), "the setup must compress some outlier op"
+def test_outliers_staying_high_never_switch() -> None:
+    evo, source, applied, policy = setup(lambda it: HIGH)
+    assert recomputed_everywhere(policy), "the setup must recompute some op that offers int4_outlier"
+    before = {op: evo.profile.op(op).codecs[OUTLIER_CODEC].compressed_bytes for op in OUTLIER_OPS}
     run(evo, source, 40)
-    assert source.calls == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert evo.switches == [] and applied == []
-    assert evo.policy is policy
+    assert source.armed == source.calls == [1, 2, 4, 8, 16, 24, 32, 40]  # armed before, sampled after
+    assert evo.switches == [] and applied == [] and evo.policy is policy
     assert all(not r.switched for r in evo.tracks)
+    # the same count as profiled: the same bytes (up to the analytic formula's rounding)
+    for op in OUTLIER_OPS:
+        assert evo.profile.op(op).codecs[OUTLIER_CODEC].compressed_bytes == pytest.approx(before[op], rel=1e-6)
 
 
-def test_outliers_dropping_switches_to_a_faster_policy_once() -> None:
-    evo, source, applied, policy = setup(lambda it: 1.0 if it < 6 else 0.3)
+def test_falling_outliers_turn_a_recomputed_op_to_compression() -> None:
+    evo, source, applied, policy = setup(lambda it: HIGH if it < 6 else 0.01)
+    recomputed = recomputed_everywhere(policy)
+    assert recomputed, "the setup must recompute some op that offers int4_outlier"
     before = evaluate_policy(evo.profile, policy)
     run(evo, source, 40)
     assert len(evo.switches) == 1, [(r.iteration, r.reason) for r in evo.tracks]
     sw = evo.switches[0]
-    assert sw.iteration == 8  # the first tracking iteration after the drift at 6
+    assert sw.iteration == 8  # the first tracking iteration after the drop at 6
     assert sw.reason == "predicted faster"
     assert applied == [evo.policy] and evo.policy is not policy
     after = evaluate_policy(evo.profile, evo.policy)
     assert after["time_s"] < sw.current_time_s <= before["time_s"] + 1e-12
     assert after["memory_bytes"] <= evo.budget_bytes
-    # the profile now carries the measured (smaller) sizes
-    op = next(op for op, d in policy.layer_decisions(0).items() if d.codec == OUTLIER_CODEC)
-    assert evo.profile.op(op).codecs[OUTLIER_CODEC].compressed_bytes < \
-        policy_profile_bytes(op)
-
-
-def policy_profile_bytes(op):
-    profile = analytic_profile(SIG, outlier_fraction=0.25, codec_bytes_per_s=2e10)
-    return profile.op(op).codecs[OUTLIER_CODEC].compressed_bytes
+    now_compressed = {op for op in recomputed for i in range(evo.policy.num_layers)
+                      if evo.policy.layer_decisions(i)[op].codec == OUTLIER_CODEC}
+    assert now_compressed, f"no op of {sorted(recomputed)} became compressed with {OUTLIER_CODEC}"
+    # the recomputed op was sampled all along: its profiled size fell by the codec's own size ratio
+    op = sorted(recomputed)[0]
+    codec, shape = get_codec(OUTLIER_CODEC), SHAPES[op]
+    ratio = codec.compressed_nbytes(shape, torch.float32, num_outliers=round(0.01 * shape[-1])) / \
+        codec.compressed_nbytes(shape, torch.float32, num_outliers=round(HIGH * shape[-1]))
+    profiled = analytic_profile(SIG, outlier_fraction=HIGH, codec_bytes_per_s=2e10)
+    assert evo.profile.op(op).codecs[OUTLIER_CODEC].compressed_bytes == pytest.approx(
+        profiled.op(op).codecs[OUTLIER_CODEC].compressed_bytes * ratio, rel=0.01)
 
 
 def test_outliers_growing_past_the_budget_forces_a_switch() -> None:
-    evo, source, applied, policy = setup(lambda it: 1.0 if it < 3 else 3.0)
+    evo, source, applied, policy = setup(lambda it: 0.25 if it < 3 else 1.0, high=0.25)
+    assert any(d.codec == OUTLIER_CODEC for d in policy.layers[0]), "the setup must compress some outlier op"
     run(evo, source, 4)
     assert [r.iteration for r in evo.switches] == [4]
     assert evo.switches[0].reason == "current policy no longer fits the budget"
     assert evo.switches[0].current_memory_bytes > evo.budget_bytes
     assert evaluate_policy(evo.profile, evo.policy)["memory_bytes"] <= evo.budget_bytes
+
+
+def test_a_sample_rescales_bytes_in_the_profiles_units_and_replaces_raw_codec_times() -> None:
+    shape = (64, 2, 128)
+    codec = get_codec(OUTLIER_CODEC)
+    old = CodecProfile(5000, 1e-3, 2e-3, {"outlier_channels": 32, "channels": 128})
+    sample = OpSample(8.0, 128, (shape,), torch.bfloat16, compress_time_s=4e-4, decompress_time_s=2.5e-3)
+    new = resampled(old, sample, saved=True)
+    want = 5000 * codec.compressed_nbytes(shape, torch.bfloat16, num_outliers=8) / \
+        codec.compressed_nbytes(shape, torch.bfloat16, num_outliers=32)
+    assert new.compressed_bytes == round(want)
+    # raw times (the profile's calibration scale applies later); a change within timing noise keeps the profile's
+    assert (new.compress_time_s, new.decompress_time_s) == (4e-4, 2e-3)
+    assert new.stats == {"outlier_channels": 8.0, "channels": 128}
+    # an op that saves nothing for backward costs no codec time, as the profiler records it
+    assert resampled(CodecProfile(0, 0.0, 0.0, {}), sample, saved=False).compress_time_s == 0.0
+    # a profile without a count keeps its bytes: the first sample becomes the reference
+    first = resampled(CodecProfile(5000, 1e-3, 2e-3, {}), sample, saved=True)
+    assert first.compressed_bytes == 5000 and first.stats["outlier_channels"] == 8.0
+
+
+def test_the_outlier_series_is_reported_and_kept_across_a_checkpoint() -> None:
+    evo, source, _, _ = setup(lambda it: HIGH if it < 3 else 0.1)
+    run(evo, source, 8)
+    series = evo.report()["outlier_channels"]
+    assert series["iterations"] == [1, 2, 4, 8]
+    assert set(series["ops"]) == set(OUTLIER_OPS)
+    assert series["ops"]["linear_fc1"] == [round(HIGH * 1024, 2)] * 2 + [102.4] * 2
+    assert series["channels"]["linear_fc1"] == 1024
+    resumed, _, _, _ = setup(lambda it: HIGH)
+    resumed.load_state_dict(evo.state_dict())
+    assert resumed.report()["outlier_channels"] == series
+    assert OutlierSeries.from_json(series).to_json() == series
 
 
 def test_no_evolution_flag_disables_it() -> None:

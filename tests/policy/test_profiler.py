@@ -167,33 +167,41 @@ def test_solve_flag_names_the_candidate_codecs() -> None:
     assert SolveOptions.from_args(_parse(parser, [])).codecs == "default"
 
 
-def test_runtime_stats_feed_evolution(env) -> None:
-    """The evolution's statistics source reads what the runtime measured for int4_outlier tensors."""
+def test_the_outlier_probe_feeds_evolution_in_the_profiles_units(env) -> None:
+    """Evolution's statistics source samples every op offering int4_outlier, whatever the policy does with it
+    (here two are compressed, the rest kept); updating the profile from a model and batch of the profiled shape
+    keeps its runtime-attributed bytes close and its codec times raw, and records the new outlier counts."""
     from megatron_adacc.adacc.integration import install, uninstall
-    from megatron_adacc.adacc.integration.evolution import PolicyEvolution, RuntimeStats
+    from megatron_adacc.adacc.integration.evolution import PolicyEvolution
+    from megatron_adacc.adacc.integration.outlier_probe import OUTLIER_OPS, OutlierProbe
     from megatron_adacc.adacc.policy import Policy
-    from megatron_adacc.adacc.runtime import accounting
     from megatron_adacc.testing import build_tiny_gpt, tiny_batch
 
     _, _, profile = env
     policy = Policy.uniform({"input_layernorm": "int4_outlier", "self_attn_bda": "int4_outlier",
                              "softmax": "recompute"}, 2)
+    probe = OutlierProbe(repeats=1)
     with memory_cap(6):
         model = build_tiny_gpt(seq_length=32)
         install(policy, config=model.config, predict_memory=False)
         try:
+            probe.setup([model])
+            probe.arm()
             tokens, positions, mask, labels = tiny_batch(batch_size=2, seq_length=32)
-            loss = model(tokens, positions, mask, labels=labels).float().mean()
-            per_layer = {i: m.per_op for i, m in accounting.latest().items()}
-            loss.backward()
-            measured = RuntimeStats().measure(policy)
+            model(tokens, positions, mask, labels=labels).float().mean().backward()
+            measured = probe.measure(policy)
         finally:
             uninstall()
-    assert set(measured) == {"input_layernorm", "self_attn_bda"}
-    for op in measured:
-        assert measured[op] == pytest.approx((per_layer[0][op] + per_layer[1][op]) / 2)
-        # another batch, same model shape: the outlier-separated size is close to the profiled one
-        assert measured[op] == pytest.approx(profile.op(op).codecs["int4_outlier"].compressed_bytes, rel=0.2)
-    evo = PolicyEvolution(profile=profile, policy=policy, budget_bytes=1e12, apply=None, log=lambda m: None)
+    assert set(measured) == set(OUTLIER_OPS)
+    evo = PolicyEvolution(profile=profile, policy=policy, budget_bytes=1e12, source=probe, log=lambda m: None)
     updated = evo.updated_profile(measured)
-    assert updated.op("input_layernorm").codecs["int4_outlier"].compressed_bytes == round(measured["input_layernorm"])
+    for op in OUTLIER_OPS:
+        old, new = profile.op(op).codecs["int4_outlier"], updated.op(op).codecs["int4_outlier"]
+        assert new.compressed_bytes == pytest.approx(old.compressed_bytes, rel=0.2), op
+        assert new.stats == {"outlier_channels": measured[op].outlier_channels, "channels": old.stats["channels"]}
+        if profile.op(op).saved_bytes:  # re-measured; adopted when beyond timing noise
+            assert measured[op].compress_time_s > 0
+            assert new.compress_time_s in (old.compress_time_s, measured[op].compress_time_s)
+        else:  # nothing saved for backward: no codec time, as the profiler records it
+            assert new.compress_time_s == new.decompress_time_s == 0.0
+    assert updated.codec_time_scale == profile.codec_time_scale

@@ -1,9 +1,9 @@
 """Adacc's Megatron glue: ``install`` routes megatron-core's full-recompute entry point through the runtime.
 
 See :mod:`.dispatch` for how; :mod:`.checks` refuses configurations the runtime cannot run; :mod:`.auto` makes a
-policy for ``--adacc-policy auto``; :mod:`.evolution` re-solves it during training; :mod:`.profiler` measures
-the costs the solver reads, on the layer and inputs :mod:`.sample` builds; :mod:`.extension` joins the training
-hosts.
+policy for ``--adacc-policy auto``; :mod:`.evolution` re-solves it during training from the outlier statistics
+:mod:`.outlier_probe` samples; :mod:`.profiler` measures the costs the solver reads, on the layer and inputs
+:mod:`.sample` builds; :mod:`.extension` joins the training hosts.
 """
 
 from megatron_adacc.adacc.integration.dispatch import (

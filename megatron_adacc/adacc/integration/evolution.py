@@ -2,62 +2,95 @@
 
 Outlier counts, and with them the compression ratio of outlier-separated tensors, drift during training,
 mostly early on. Training iterations are therefore split into normal and *tracking* iterations, spaced by
-exponential backoff: iterations 1, 2, 4, 8, ... and then every ``cap`` iterations. At the end of each
-tracking iteration the extension
+exponential backoff: iterations 1, 2, 4, 8, ... and then every ``cap`` iterations. On each tracking iteration
+the extension
 
-1. reads the compressed sizes the runtime just measured for outlier-separated (``int4_outlier``) tensors,
-2. updates the profile's compression ratios (ops the current policy does not compress with that codec
-   move by the median relative change of those it does),
+1. samples the outlier statistics of EVERY op that offers outlier-separated INT4 (``int4_outlier``), whatever
+   the current policy does with it (keep, compress or recompute): its outlier channel count, the size the codec
+   would give its output now, and the codec's compress / decompress times re-measured on the real tensors
+   (:mod:`megatron_adacc.adacc.integration.outlier_probe`, which runs this rank's layers again after the step,
+   without gradients and without touching the random streams), merged over every rank so that all ranks
+   re-solve from the same figures and switch together;
+2. updates the profile: each op's ``int4_outlier`` compressed bytes are scaled by the ratio of the codec's size
+   at the new count to its size at the profiled one (so the profile keeps the runtime-attributed units it was
+   measured in), its raw codec times replaced when they moved beyond timing noise (:data:`TIME_CHANGE`; the
+   profile's ``codec_time_scale`` still calibrates them), and the count stored as the new reference;
 3. re-solves the MILP, and
-4. switches policy before the next iteration when the new one is predicted faster by at least
-   ``min_gain`` and fits the budget, or when the current policy no longer fits (outliers grew).
+4. switches policy before the next iteration when the new one is predicted faster by at least ``min_gain`` and
+   fits the budget, or when the current policy no longer fits (outliers grew).
 
-Every tracking iteration and every switch is logged and reported. ``--adacc-no-evolution`` turns it off.
+Sampling every candidate is what lets an op recomputed at profile time, because its outliers were many,
+become compressed once they fall: the runtime's accounting sees only the tensors it compressed.
 
-The statistics come from a :class:`StatsSource`; :class:`RuntimeStats` reads the runtime's per-layer,
-per-op accounting (``megatron_adacc.adacc.runtime.accounting``), which records the bytes each compressed op
-actually holds after every forward.
+Every tracking iteration and every switch is logged and reported, and so is the outlier count per op at each
+tracking iteration (the paper's Fig. 4; ``report()["outlier_channels"]``). ``--adacc-no-evolution`` turns it off.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, Action
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, solve_policy
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
-from megatron_adacc.core.extension import TrainingExtension
+from megatron_adacc.core.extension import TrainingContext, TrainingExtension
+
+if TYPE_CHECKING:
+    from megatron_adacc.adacc.integration.outlier_probe import OpSample
 
 
 class StatsSource(Protocol):
-    """Where tracking iterations get fresh statistics of outlier-separated tensors."""
+    """Where tracking iterations get fresh outlier statistics (:class:`~.outlier_probe.OutlierProbe`)."""
 
-    def measure(self, policy: Policy) -> Mapping[str, float]:
-        """``{op name: compressed bytes per layer}`` of the ``int4_outlier`` tensors the runtime compressed in
-        the last forward (averaged over layers); ops it did not compress that way are absent."""
+    def setup(self, model: Sequence[Any]) -> None:
+        """Called once with this rank's (unwrapped) model chunks."""
+        ...
+
+    def arm(self) -> None:
+        """The coming iteration is a tracking one: get ready to sample its forward."""
+        ...
+
+    def measure(self, policy: Policy) -> Mapping[str, OpSample]:
+        """``{op name: OpSample}`` for the ops offering ``int4_outlier`` that were sampled since :meth:`arm`."""
         ...
 
 
-class RuntimeStats:
-    """Reads ``megatron_adacc.adacc.runtime.accounting.latest()``: per layer, the bytes each op holds."""
+#: A re-measured codec time replaces the profiled one only when it is off by more than this factor either way:
+#: one layer's timing varies by tens of percent from run to run, and adopting that noise would let two runs that
+#: saw the same outliers (a resumed run and a straight one) solve differently.
+TIME_CHANGE = 1.5
 
-    def measure(self, policy: Policy) -> Mapping[str, float]:
-        from megatron_adacc.adacc.runtime import accounting
 
-        per_op: dict[str, list[int]] = {}
-        for layer, entry in accounting.latest().items():
-            if not 0 <= layer < policy.num_layers:
-                continue
-            for op, d in policy.layer_decisions(layer).items():
-                if d.action == Action.COMPRESS and d.codec == OUTLIER_CODEC and entry.per_op.get(op):
-                    per_op.setdefault(op, []).append(int(entry.per_op[op]))
-        return {op: statistics.fmean(v) for op, v in per_op.items()}
+def _retimed(profiled: float, measured: float | None) -> float:
+    if measured is None or (profiled > 0 and 1 / TIME_CHANGE <= measured / profiled <= TIME_CHANGE):
+        return profiled
+    return measured
+
+
+def resampled(old: CodecProfile, sample: OpSample, *, saved: bool) -> CodecProfile:
+    """An op's ``int4_outlier`` profile after ``sample``: bytes scaled by the codec's size ratio between the new
+    count and the profiled one, raw times re-measured (beyond :data:`TIME_CHANGE`; kept at 0 when the op saves
+    nothing for backward, as the profiler does), and the new count as the next reference. A profile that
+    recorded no count (``outlier_channels``, or an analytic ``outlier_fraction``) keeps its bytes: the sample
+    calibrates it."""
+    before = old.stats.get("outlier_channels")
+    if before is None and "outlier_fraction" in old.stats:
+        before = float(old.stats["outlier_fraction"]) * sample.channels
+    nbytes = float(old.compressed_bytes)
+    base = sample.codec_bytes_at(float(before)) if before is not None else 0.0
+    if base > 0:
+        nbytes *= sample.codec_bytes / base
+    tc, td = old.compress_time_s, old.decompress_time_s
+    if saved:
+        tc, td = _retimed(tc, sample.compress_time_s), _retimed(td, sample.decompress_time_s)
+    stats = {k: v for k, v in old.stats.items() if k != "outlier_fraction"}
+    stats.update(outlier_channels=sample.outlier_channels, channels=sample.channels)
+    return CodecProfile(int(round(nbytes)), tc, td, stats)
 
 
 def tracking_iterations(cap: int):
@@ -74,7 +107,7 @@ def tracking_iterations(cap: int):
 @dataclass
 class TrackRecord:
     iteration: int
-    measured: dict[str, float]
+    measured: dict[str, OpSample]
     current_time_s: float
     current_memory_bytes: float
     candidate_time_s: float | None
@@ -84,33 +117,93 @@ class TrackRecord:
 
 
 @dataclass
+class OutlierSeries:
+    """Outlier channels per op at each tracking iteration (the paper's Fig. 4), beside the profiled counts."""
+
+    profiled: dict[str, float] = field(default_factory=dict)
+    points: dict[int, dict[str, float]] = field(default_factory=dict)
+    channels: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of_profile(cls, profile: LayerProfile) -> OutlierSeries:
+        counts = {spec.name: profile.op(spec.name).codecs[OUTLIER_CODEC].stats.get("outlier_channels")
+                  for spec in OPS if OUTLIER_CODEC in profile.op(spec.name).codecs}
+        return cls(profiled={op: k for op, k in counts.items() if k is not None})
+
+    def add(self, iteration: int, samples: Mapping[str, OpSample]) -> None:
+        self.points[iteration] = {op: s.outlier_channels for op, s in samples.items()}
+        self.channels.update({op: s.channels for op, s in samples.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"iterations": [...], "ops": {op: [count or None per iteration]}, "channels": {op: C},
+        "profiled": {op: count}}``: what the run's JSON and Fig. 4 read."""
+        its = sorted(self.points)
+        ops = [spec.name for spec in OPS if any(spec.name in self.points[i] for i in its)]
+        return {"iterations": its, "channels": dict(self.channels), "profiled": dict(self.profiled),
+                "ops": {op: [_rounded(self.points[i].get(op)) for i in its] for op in ops}}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> OutlierSeries:
+        its = [int(i) for i in obj.get("iterations", [])]
+        points: dict[int, dict[str, float]] = {i: {} for i in its}
+        for op, values in obj.get("ops", {}).items():
+            for i, v in zip(its, values):
+                if v is not None:
+                    points[i][op] = float(v)
+        return cls(dict(obj.get("profiled", {})), points, {op: int(c) for op, c in obj.get("channels", {}).items()})
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 2)
+
+
+def _default_log(message: str) -> None:
+    print(f"[adacc evolution] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
 class PolicyEvolution(TrainingExtension):
     """The training extension that re-solves on drift. ``apply(policy)`` installs a policy for the next
-    iteration (by default ``megatron_adacc.adacc.integration.dispatch`` with the model's config)."""
+    iteration (by default ``megatron_adacc.adacc.integration.dispatch`` with the model's config); ``source``
+    defaults to an :class:`~.outlier_probe.OutlierProbe` with the options' Z threshold."""
 
     profile: LayerProfile
     policy: Policy
     budget_bytes: float
     options: SolveOptions = field(default_factory=SolveOptions)
-    source: StatsSource = field(default_factory=RuntimeStats)
+    source: StatsSource | None = None
     apply: Callable[[Policy], None] | None = None
     cap: int = 1024
     min_gain: float = 0.02
-    log: Callable[[str], None] = field(default=lambda m: print(f"[adacc evolution] {m}", file=sys.stderr,
-                                                                   flush=True))
+    log: Callable[[str], None] = _default_log
     name: str = "adacc_evolution"
 
     def __post_init__(self) -> None:
+        if self.source is None:
+            from megatron_adacc.adacc.integration.outlier_probe import OutlierProbe
+
+            self.source = OutlierProbe(self.options.outlier_z, log=self.log)
         self._schedule = tracking_iterations(self.cap)
         self._next = next(self._schedule)
         self.tracks: list[TrackRecord] = []
         self.switches: list[TrackRecord] = []
+        self.outliers = OutlierSeries.of_profile(self.profile)
 
     # ----------------------------------------------------------------------------- extension hooks
-    def on_step_end(self, iteration: int, loss: float) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
+        self.source.setup(ctx.model)
+
+    def _is_tracking(self, iteration: int) -> bool:
         while self._next < iteration:  # resumed runs and skipped calls catch up with the schedule
             self._next = next(self._schedule)
-        if iteration != self._next:
+        return iteration == self._next
+
+    def on_step_begin(self, iteration: int) -> None:
+        if self._is_tracking(iteration):
+            self.source.arm()
+
+    def on_step_end(self, iteration: int, loss: float) -> None:
+        if not self._is_tracking(iteration):
             return
         self._next = next(self._schedule)
         self.track(iteration)
@@ -119,7 +212,7 @@ class PolicyEvolution(TrainingExtension):
         from megatron_adacc.adacc.policy.io import policy_to_json
 
         return {"policy": policy_to_json(self.policy), "profile": self.profile.to_json(),
-                "switches": [r.iteration for r in self.switches]}
+                "switches": [r.iteration for r in self.switches], "outlier_channels": self.outliers.to_json()}
 
     def load_state_dict(self, state: dict) -> None:
         from megatron_adacc.adacc.policy.io import policy_from_json
@@ -127,37 +220,33 @@ class PolicyEvolution(TrainingExtension):
         if "policy" in state:
             self.policy = policy_from_json(state["policy"])
             self.profile = LayerProfile.from_json(state["profile"])
+            if "outlier_channels" in state:
+                self.outliers = OutlierSeries.from_json(state["outlier_channels"])
             if self.apply is not None:
                 self.apply(self.policy)
 
     def report(self) -> dict[str, Any]:
         return {"tracking_iterations": [r.iteration for r in self.tracks],
                 "switches": [{"iteration": r.iteration, "reason": r.reason, "time_s": r.candidate_time_s,
-                              "memory_bytes": r.candidate_memory_bytes} for r in self.switches]}
+                              "memory_bytes": r.candidate_memory_bytes} for r in self.switches],
+                "outlier_channels": self.outliers.to_json()}
 
     # ----------------------------------------------------------------------------------- one track
-    def updated_profile(self, measured: Mapping[str, float]) -> LayerProfile:
-        """The profile with ``int4_outlier`` sizes replaced by the measurement (see the module doc)."""
-        ratios = []
-        for op, nbytes in measured.items():
-            old = self.profile.op(op).codecs.get(OUTLIER_CODEC)
-            if old is not None and old.compressed_bytes > 0:
-                ratios.append(nbytes / old.compressed_bytes)
-        if not ratios:
-            return self.profile
-        drift = statistics.median(ratios)
+    def updated_profile(self, measured: Mapping[str, OpSample]) -> LayerProfile:
+        """The profile with every sampled op's ``int4_outlier`` entry :func:`resampled`."""
         updates: dict[str, dict[str, CodecProfile]] = {}
-        for spec in OPS:
-            old = self.profile.op(spec.name).codecs.get(OUTLIER_CODEC)
-            if old is None:
-                continue
-            new_bytes = measured.get(spec.name, old.compressed_bytes * drift)
-            updates[spec.name] = {OUTLIER_CODEC: CodecProfile(int(round(new_bytes)), old.compress_time_s,
-                                                              old.decompress_time_s, dict(old.stats))}
-        return self.profile.with_codec_update(updates)
+        for op, sample in measured.items():
+            profiled = self.profile.op(op)
+            old = profiled.codecs.get(OUTLIER_CODEC)
+            if old is not None:  # the profiler found the codec does not apply to this op: nothing to update
+                updates[op] = {OUTLIER_CODEC: resampled(old, sample, saved=profiled.saved_bytes > 0)}
+        return self.profile.with_codec_update(updates) if updates else self.profile
 
     def track(self, iteration: int) -> TrackRecord:
-        measured = dict(self.source.measure(self.policy))
+        from megatron_adacc.adacc.integration.outlier_probe import agreed
+
+        measured = agreed(self.source.measure(self.policy))
+        self.outliers.add(iteration, measured)
         self.profile = self.updated_profile(measured)
         chain = self.options.chain_aware
         current = evaluate_policy(self.profile, self.policy, chain_aware=chain)

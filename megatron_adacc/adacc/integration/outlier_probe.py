@@ -1,0 +1,316 @@
+"""Outlier statistics of the model being trained, sampled for adaptive policy evolution (paper section 3.4, Fig. 4).
+
+How much outlier-separated INT4 (``int4_outlier``) saves on an op's output depends on how many of its channels
+are outliers (Z-score of channel absolute sums above the threshold, eq. 1), and that count drifts during
+training. Evolution must see it for EVERY op that offers the codec, whatever the policy does with the op now:
+an op recomputed (or kept) because its outliers were many when it was profiled is exactly the one a falling
+count should turn to compression. The runtime's own accounting only sees what it compressed, so this module
+samples the statistics itself.
+
+How, cheaply and without touching training:
+
+* :meth:`OutlierProbe.arm` (evolution calls it before a tracking iteration) puts forward pre-hooks on each model
+  chunk's ``TransformerBlock`` (for the attention mask and rotary embeddings) and on its first layer's input
+  layernorm (for the hidden states: that module is called both by megatron's own layer forward, which keep-all
+  layers run, and by the runtime's first op). They hold references to the first training micro-batch's inputs,
+  without a copy (the layer's input lives until its backward anyway), and then remove themselves: the other
+  micro-batches and every normal iteration pay nothing.
+* After the step, :meth:`OutlierProbe.measure` runs each chunk's layers on those inputs op by op with the
+  runtime's decomposition (:mod:`megatron_adacc.adacc.runtime.ops`), under ``torch.no_grad`` and with every
+  random generator forked (training's dropout streams are left exactly where they were), dropping each value
+  once no later op reads it (it holds no more than a no-grad forward would). Per op offering ``int4_outlier``
+  it counts the outlier channels of the op's output as the codec selects them, and on the last layer it
+  re-times the codec on the real tensors with the profiler's own
+  :func:`~megatron_adacc.adacc.integration.profiler.time_codecs` (raw times, as profiles store them). Every
+  reference is dropped before it returns.
+
+The result, per op, is an :class:`OpSample` averaged over the layers of this rank; evolution turns it into the
+profile's units (:mod:`megatron_adacc.adacc.integration.evolution`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_adacc.adacc.integration.profiler import float_outputs, time_codecs
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
+
+#: The ops whose codec choices depend on outlier statistics: those that offer outlier-separated INT4.
+OUTLIER_OPS: tuple[str, ...] = tuple(spec.name for spec in OPS if OUTLIER_CODEC in spec.codecs)
+
+#: Runs of each codec timing (after one warm-up), as in a default profile.
+TIMING_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class OpSample:
+    """One op's outlier statistics on a tracking iteration, averaged over the layers sampled."""
+
+    outlier_channels: float
+    """Outlier channels of the op's floating-point outputs (summed over them), mean over layers."""
+    channels: int
+    """Channels of those outputs (summed): what ``outlier_channels`` is out of."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes of those outputs, for the codec's size formula."""
+    dtype: torch.dtype
+    compress_time_s: float | None = None
+    """Raw compress time of the outputs on one sampled layer (not scaled by the profile's calibration, as the
+    profiler stores it); None when not measured."""
+    decompress_time_s: float | None = None
+    layers: int = 1
+    """How many layers the mean is over."""
+
+    def codec_bytes_at(self, outlier_channels: float) -> float:
+        """``int4_outlier``'s size of outputs of these shapes with ``outlier_channels`` outliers in all (split
+        over the outputs by their channels). The codec's size is affine in the count, so a fractional mean
+        count gives the mean size."""
+        from megatron_adacc.codecs import get_codec
+
+        codec = get_codec(OUTLIER_CODEC)
+        total = 0.0
+        for shape in self.shapes:
+            k = outlier_channels * shape[-1] / self.channels if self.channels else 0.0
+            none = codec.compressed_nbytes(shape, self.dtype, num_outliers=0)
+            total += none + k * (codec.compressed_nbytes(shape, self.dtype, num_outliers=1) - none)
+        return total
+
+    @property
+    def codec_bytes(self) -> float:
+        """The codec's size of the outputs now."""
+        return self.codec_bytes_at(self.outlier_channels)
+
+
+# --------------------------------------------------------------------------------------------- statistics
+def outlier_count(x: torch.Tensor, z_threshold: float) -> int | None:
+    """Outlier channels of ``x`` as ``int4_outlier`` selects them (same kernels), or None when ``x`` holds
+    NaN/Inf (the runtime keeps such a tensor uncompressed: it says nothing about the codec)."""
+    from megatron_adacc.codecs._backend import kernels
+    from megatron_adacc.codecs.base import rows_cols
+    from megatron_adacc.codecs.reference import select_outlier_channels
+
+    rows, cols = rows_cols(x.shape)
+    sums = kernels("auto").channel_abs_sum(x.detach().reshape(rows, cols))
+    if not bool(torch.isfinite(sums).all()):
+        return None
+    return int(select_outlier_channels(sums, z_threshold).numel())
+
+
+@dataclass(frozen=True)
+class _LayerStat:
+    outlier_channels: int
+    channels: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+
+def _op_stat(op: Any, env: Mapping[str, Any], z_threshold: float) -> _LayerStat | None:
+    outs = float_outputs(op, env)
+    counts = [outlier_count(x, z_threshold) for x in outs]
+    if not outs or None in counts:
+        return None
+    return _LayerStat(sum(counts), sum(int(x.shape[-1]) for x in outs), tuple(tuple(x.shape) for x in outs),
+                      outs[0].dtype)
+
+
+class _Unsized:
+    """What :func:`time_codecs` reads compressed bytes from; the probe scales the profile's bytes itself."""
+
+    @staticmethod
+    def compress_cost(key: Any) -> int:
+        return 0
+
+
+@dataclass
+class LayerInputs:
+    """The inputs of a run of consecutive layers (a model chunk's), as one training micro-batch gave them."""
+
+    layers: Sequence[torch.nn.Module]
+    hidden_states: torch.Tensor
+    attention_mask: torch.Tensor | None
+    rotary_pos_emb: Any
+
+
+def run_layer(ops: Sequence[Any], env: dict, visit: Callable[[Any, dict], None]) -> torch.Tensor:
+    """Run one layer's ``ops`` on ``env`` (as :func:`~megatron_adacc.adacc.runtime.ops.run_ops`), calling
+    ``visit(op, env)`` after each, and drop every value no later op reads: the probe holds no more than a
+    no-grad forward does. Returns the layer's output."""
+    last_read = {name: i for i, op in enumerate(ops) for name in op.inputs}
+    for i, op in enumerate(ops):
+        env.update(op.run(env))
+        visit(op, env)
+        for name in [n for n in env if n != "output" and last_read.get(n, -1) <= i]:
+            del env[name]
+    return env["output"]
+
+
+@dataclass
+class _Sampler:
+    """Collects each outlier op's statistics layer by layer, and its codec times on one layer."""
+
+    z_threshold: float
+    repeats: int
+    log: Callable[[str], None]
+    stats: dict[str, list[_LayerStat]] = field(default_factory=dict)
+    times: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def visit(self, op: Any, env: dict, *, timed: bool) -> None:
+        if op.name not in OUTLIER_OPS:
+            return
+        stat = _op_stat(op, env, self.z_threshold)
+        if stat is not None:
+            self.stats.setdefault(op.name, []).append(stat)
+        if timed:
+            self._time(op, env)
+
+    def _time(self, op: Any, env: dict) -> None:
+        """Raw compress / decompress time of ``int4_outlier`` on the op's outputs, by the profiler's own code."""
+        from megatron_adacc.adacc.runtime.memory import codec_key
+
+        outs = float_outputs(op, env)
+        if not outs:
+            return
+        sync = torch.cuda.synchronize if outs[0].device.type == "cuda" else (lambda: None)
+        key = codec_key(OUTLIER_CODEC, {"z_threshold": self.z_threshold})
+        timed = time_codecs(op, env, {key}, _Unsized(), self.repeats, sync, self.log).get(OUTLIER_CODEC)
+        if timed is not None:
+            self.times[op.name] = (timed.compress_time_s, timed.decompress_time_s)
+
+    def samples(self) -> dict[str, OpSample]:
+        out = {}
+        for name, per_layer in self.stats.items():
+            first = per_layer[0]
+            tc, td = self.times.get(name, (None, None))
+            out[name] = OpSample(statistics.fmean(s.outlier_channels for s in per_layer), first.channels,
+                                 first.shapes, first.dtype, tc, td, len(per_layer))
+        return out
+
+
+def sample_layers(runs: Sequence[LayerInputs], z_threshold: float, *, repeats: int = TIMING_REPEATS,
+                  log: Callable[[str], None] | None = None) -> dict[str, OpSample]:
+    """Run every layer of ``runs`` op by op (each run from its inputs, each layer on the previous one's output)
+    and sample its outlier ops (see the module doc); codec times come from the last layer. Training's random
+    streams and autograd are untouched."""
+    from megatron.core.tensor_parallel.random import _fork_rng
+
+    from megatron_adacc.adacc.runtime.ops import initial_env, layer_ops
+
+    sampler = _Sampler(z_threshold, repeats, log or (lambda _msg: None))
+    last = (len(runs) - 1, len(runs[-1].layers) - 1) if runs else None
+    with _fork_rng(), torch.no_grad():
+        for r, run in enumerate(runs):
+            hidden = run.hidden_states
+            for i, layer in enumerate(run.layers):
+                visit = functools.partial(sampler.visit, timed=(r, i) == last)
+                env = initial_env(hidden, run.attention_mask, run.rotary_pos_emb)
+                hidden = run_layer(layer_ops(layer), env, visit)
+    return sampler.samples()
+
+
+def merged(per_rank: Sequence[Mapping[str, OpSample]]) -> dict[str, OpSample]:
+    """Every rank's samples as one: outlier counts averaged over all the layers sampled, codec times over the
+    ranks that timed them. Merged in rank order, so every rank computes the same floats."""
+    out: dict[str, OpSample] = {}
+    for name in OUTLIER_OPS:
+        found = [samples[name] for samples in per_rank if name in samples]
+        if not found:
+            continue
+        layers = sum(s.layers for s in found)
+        tc = [s.compress_time_s for s in found if s.compress_time_s is not None]
+        td = [s.decompress_time_s for s in found if s.decompress_time_s is not None]
+        out[name] = OpSample(sum(s.outlier_channels * s.layers for s in found) / layers, found[0].channels,
+                             found[0].shapes, found[0].dtype, statistics.fmean(tc) if tc else None,
+                             statistics.fmean(td) if td else None, layers)
+    return out
+
+
+def agreed(samples: Mapping[str, OpSample]) -> dict[str, OpSample]:
+    """This rank's samples merged with every other rank's (one object all-gather, on tracking iterations only).
+
+    Ranks see different layers (pipeline stages), different tensor shards and different data; each re-solves
+    from what it is given, so they must be given the same, or two ranks could switch to different policies and
+    wait forever in a collective of the backward."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return dict(samples)
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, dict(samples))
+    return merged(gathered)
+
+
+# --------------------------------------------------------------------------------------------- capture
+class _ChunkCapture:
+    """Forward pre-hooks that hold one training micro-batch's inputs of one ``TransformerBlock``'s layers."""
+
+    def __init__(self, block: torch.nn.Module):
+        self.block = block
+        self.hidden: torch.Tensor | None = None
+        self.context: tuple[Any, Any] | None = None  # (attention_mask, rotary_pos_emb)
+        self._signature = inspect.signature(block.forward)
+        self._handles = [block.register_forward_pre_hook(self._on_block, with_kwargs=True),
+                         block.layers[0].input_layernorm.register_forward_pre_hook(self._on_layernorm)]
+
+    def _training(self) -> bool:
+        return self.block.training and torch.is_grad_enabled()
+
+    def _on_block(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.context is None and self._training():
+            bound = self._signature.bind_partial(*args, **kwargs).arguments
+            self.context = (bound.get("attention_mask"), bound.get("rotary_pos_emb"))
+
+    def _on_layernorm(self, module: Any, args: tuple) -> None:
+        if self.hidden is None and self.context is not None and self._training():
+            self.hidden = args[0].detach()
+            self.remove()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def inputs(self) -> LayerInputs | None:
+        if self.hidden is None or self.context is None:
+            return None
+        return LayerInputs(list(self.block.layers), self.hidden, *self.context)
+
+
+class OutlierProbe:
+    """Evolution's statistics source (:class:`~megatron_adacc.adacc.integration.evolution.StatsSource`): the
+    outlier statistics of every op offering ``int4_outlier``, from this rank's layers (see the module doc)."""
+
+    def __init__(self, z_threshold: float = 3.0, *, repeats: int = TIMING_REPEATS,
+                 log: Callable[[str], None] | None = None):
+        self.z_threshold = float(z_threshold)
+        self.repeats = repeats
+        self.log = log
+        self._blocks: list[torch.nn.Module] = []
+        self._captures: list[_ChunkCapture] = []
+
+    def setup(self, model: Sequence[torch.nn.Module]) -> None:
+        """Find the transformer blocks of this rank's model chunks (unwrapped), in order."""
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        self._blocks = [m for chunk in model for m in chunk.modules()
+                        if isinstance(m, TransformerBlock) and len(m.layers)]
+
+    def arm(self) -> None:
+        """Capture the inputs of the next training forward of each block (idempotent)."""
+        if not self._captures:
+            self._captures = [_ChunkCapture(block) for block in self._blocks]
+
+    def measure(self, policy: Any = None) -> dict[str, OpSample]:
+        """The statistics of the forward captured since :meth:`arm` (empty when none was); drops the capture."""
+        captures, self._captures = self._captures, []
+        for capture in captures:
+            capture.remove()
+        runs = [r for r in (c.inputs() for c in captures) if r is not None]
+        del captures
+        if not runs:
+            return {}
+        return sample_layers(runs, self.z_threshold, repeats=self.repeats, log=self.log)
