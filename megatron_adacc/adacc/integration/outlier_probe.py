@@ -12,9 +12,10 @@ How, cheaply and without touching training:
 * :meth:`OutlierProbe.arm` (evolution calls it before a tracking iteration) puts forward pre-hooks on each model
   chunk's ``TransformerBlock`` (for the attention mask and rotary embeddings) and on its first layer's input
   layernorm (for the hidden states: that module is called both by megatron's own layer forward, which keep-all
-  layers run, and by the runtime's first op). They hold references to the first training micro-batch's inputs,
-  without a copy (the layer's input lives until its backward anyway), and then remove themselves: the other
-  micro-batches and every normal iteration pay nothing.
+  layers run, and by the runtime's first op). They hold references, without a copy, to each training
+  micro-batch's inputs in turn: the last micro-batch's, whose backward has run when the step ends, are what is
+  left (a micro-batch's layer input lives until its backward anyway). :meth:`OutlierProbe.measure` removes
+  them: every normal iteration pays nothing.
 * After the step, :meth:`OutlierProbe.measure` runs each chunk's layers on those inputs op by op with the
   runtime's decomposition (:mod:`megatron_adacc.adacc.runtime.ops`), under ``torch.no_grad`` and with every
   random generator forked (training's dropout streams are left exactly where they were), dropping each value
@@ -259,15 +260,17 @@ class _ChunkCapture:
     def _training(self) -> bool:
         return self.block.training and torch.is_grad_enabled()
 
+    # Each training micro-batch replaces the last one's inputs: what is held once the step ends is the last
+    # micro-batch's, whose backward has run by then. Holding the first one's would keep its layer input alive
+    # through every later micro-batch, at the step's memory peak (measured: +1.5 MiB on tiny over 100 steps).
     def _on_block(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self.context is None and self._training():
+        if self._training():
             bound = self._signature.bind_partial(*args, **kwargs).arguments
             self.context = (bound.get("attention_mask"), bound.get("rotary_pos_emb"))
 
     def _on_layernorm(self, module: Any, args: tuple) -> None:
-        if self.hidden is None and self.context is not None and self._training():
+        if self.context is not None and self._training():
             self.hidden = args[0].detach()
-            self.remove()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -338,6 +338,9 @@ def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.
                    for spec, op, t in zip(OPS, ops, fwd)]
     log("profile: calibrating codec and recompute times inside the runtime")
     calibration = calibrate(sample, op_profiles, segments, fwd, repeats, sync)
+    codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
+    log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
+        f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
     # last: measuring memory on the CPU sets the allocator to return what is freed, which slows allocation
     log("profile: memory of each op's backward")
     with _fork_rng():
@@ -345,9 +348,6 @@ def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.
             measured = backward_transient(op, env, device, repeats)
             if measured is not None:
                 profiled.grad_bytes = measured
-    codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
-    log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
-        f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
     measured = _Measured(sizes, op_profiles, fwd, segments, calibration)
     return _layer_profile(sample, args, signature, device, measured, repeats)
 
