@@ -64,3 +64,24 @@ def test_calibrated_on_keep_everything_the_bound_holds_every_policy_s_peak(trace
     for name, run in traced.items():
         peak, bound, largest = max(run["measured"].values()), max(run["predicted"]) + baseline, max(run["predicted"])
         assert bound - 0.2 * largest <= peak <= bound + 0.15 * largest, (name, (peak - bound) / MiB)
+
+
+def test_a_trace_without_the_allocator_setting_is_refused_in_one_line_with_the_fix(monkeypatch):
+    """Without MALLOC_MMAP_THRESHOLD_ from the process's start, glibc serves large tensors from freed heap
+    memory that is still resident, and the per-stage peaks would be flat: the flag is refused before any model
+    is built, and a trace opened anyway raises the same words."""
+    import argparse
+
+    from megatron_adacc.adacc.feature import add_args, problems
+    from megatron_adacc.core.errors import AdaccError
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--adacc-policy", "keep", "--adacc-trace-backward"])
+    found = [p for p in problems(args) if "MALLOC_MMAP_THRESHOLD_=65536" in p]
+    assert len(found) == 1 and "\n" not in found[0]
+    with pytest.raises(AdaccError, match="MALLOC_MMAP_THRESHOLD_=65536"):
+        with stages.BackwardTrace():
+            pass
+    assert stages.active() is None
