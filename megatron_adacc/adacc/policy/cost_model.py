@@ -55,6 +55,7 @@ _KEEP, _COMPRESS, _RECOMPUTE = Action.KEEP, Action.COMPRESS, Action.RECOMPUTE
 StageBytes = dict[int, float]
 """Bytes per backward stage (op index), for the stages something is live at."""
 
+
 @dataclass(frozen=True)
 class Choice:
     """One option for one op: its decision, the bytes it leaves stored, and its paper-model time."""

@@ -41,7 +41,7 @@ class ParetoPoint:
         return self.peak_bytes - self.memory_bytes
 
 
-def _prune(points: list[ParetoPoint], cost) -> list[ParetoPoint]:
+def _prune(points: list, cost) -> list:
     """Keep the points no other point matches or beats in memory, time and ``cost(point)`` (ties: the first),
     sorted by increasing memory.
 
@@ -83,11 +83,14 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
             return problem.segment_cost(seg.start, seg.stop - 1, before)
         return sum(problem.choices[i][rec[i]].time_s for i in seg)
 
+    # where each stored choice is live, placed once: the DP extends every prefix with each of them
+    placed = [[problem.choice_stages(j, c) for c in cs] for j, cs in enumerate(problem.choices)]
     # states[j][(k, ahead)]: prefixes 0..j that store op j with choice k and leave ``ahead`` on stages j+1..
     states: list[dict[tuple, list[_Prefix]]] = [dict() for _ in range(n)]
+    start = _Prefix(0.0, 0.0, (), float("-inf"), (0.0,) * n)  # nothing stored; every stage ahead
     for k, c in enumerate(problem.choices[0]):
         if not c.is_recompute:
-            _extend(states[0], problem, k, _Prefix(0.0, 0.0, (), float("-inf"), ()), (), c, 0, -1, grad)
+            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad)
     final: list[ParetoPoint] = []
     for j in range(n):
         for (k, _), prefixes in states[j].items():
@@ -99,18 +102,19 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                 stages = (problem.segment_stages(seg.start, seg.stop - 1, before, stash=chain_aware) if seg else {})
                 held = problem.segment_memory(seg.start, seg.stop - 1, before) if chain_aware and seg else 0.0
                 for p in prefixes:
-                    q = _Prefix(p.memory + held, p.time + seg_cost, p.picks + seg_picks, p.peak,
+                    q = _Prefix(p.memory_bytes + held, p.time_s + seg_cost, p.picks + seg_picks, p.peak_bytes,
                                 _add(p.ahead, stages, j, held))
                     if nxt == n:
-                        peak = max([q.peak] + [grad[s] + q.memory + q.ahead[s - j - 1] for s in range(j + 1, n)])
-                        final.append(ParetoPoint(q.memory, q.time, q.picks, peak))
+                        peak = max([q.peak_bytes] + [grad[s] + q.memory_bytes + q.ahead[s - j - 1]
+                                                     for s in range(j + 1, n)])
+                        final.append(ParetoPoint(q.memory_bytes, q.time_s, q.picks, peak))
                         continue
                     for k2, c2 in enumerate(problem.choices[nxt]):
                         if not c2.is_recompute:
-                            _extend(states[nxt], problem, k2, q, q.ahead, c2, nxt, j, grad)
+                            _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad)
         if j + 1 < n:
             for key in states[j + 1]:
-                states[j + 1][key] = _prune_prefixes(states[j + 1][key])
+                states[j + 1][key] = _prune(states[j + 1][key], _peak)
     if problem.runtime_overhead_s:
         # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
         # among them holds, and keep-all (the most memory) cannot dominate any of them
@@ -122,13 +126,15 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
 
 @dataclass(frozen=True)
 class _Prefix:
-    memory: float
-    time: float
+    """Ops 0..j decided, op j stored (named as :class:`ParetoPoint`'s fields, so :func:`_prune` takes both)."""
+
+    memory_bytes: float
+    time_s: float
     picks: tuple[int, ...]
-    peak: float
+    peak_bytes: float
     """The largest final stage."""
     ahead: tuple[float, ...]
-    """Bytes on each later stage beyond ``memory``, from the first stage not yet final."""
+    """Bytes on each later stage beyond ``memory_bytes``, from the first stage not yet final."""
 
 
 def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: float) -> tuple[float, ...]:
@@ -140,21 +146,13 @@ def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: fl
     return tuple(x - held for x in out)
 
 
-def _extend(bucket: dict, problem: Problem, k2: int, q: _Prefix, ahead: tuple[float, ...], c2: Choice, nxt: int,
-            last: int, grad: list[float]) -> None:
-    """Store op ``nxt`` with choice ``k2`` after prefix ``q``, whose ``ahead`` starts after stage ``last``: stages
-    ``last + 1 .. nxt`` become final."""
-    n = problem.num_ops
-    if not ahead:
-        ahead = (0.0,) * (n - last - 1)
-    full = _add(ahead, problem.choice_stages(nxt, c2), last, c2.memory_bytes)
-    memory = q.memory + c2.memory_bytes
-    peak = max([q.peak] + [grad[s] + memory + full[s - last - 1] for s in range(last + 1, nxt + 1)])
+def _extend(bucket: dict, q: _Prefix, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
+            grad: list[float]) -> None:
+    """Store op ``nxt`` with choice ``k2`` (live at ``placed``) after prefix ``q``, whose ``ahead`` starts after
+    stage ``last``: stages ``last + 1 .. nxt`` become final."""
+    full = _add(q.ahead, placed, last, c2.memory_bytes)
+    memory = q.memory_bytes + c2.memory_bytes
+    peak = max([q.peak_bytes] + [grad[s] + memory + full[s - last - 1] for s in range(last + 1, nxt + 1)])
     rest = full[nxt - last:]
     key = (k2, tuple(round(x, 3) for x in rest))
-    bucket.setdefault(key, []).append(_Prefix(memory, q.time + c2.time_s, q.picks + (k2,), peak, rest))
-
-
-def _prune_prefixes(prefixes: list[_Prefix]) -> list[_Prefix]:
-    points = [ParetoPoint(p.memory, p.time, (i,), p.peak) for i, p in enumerate(prefixes)]
-    return [prefixes[p.picks[0]] for p in _prune(points, _peak)]
+    bucket.setdefault(key, []).append(_Prefix(memory, q.time_s + c2.time_s, q.picks + (k2,), peak, rest))

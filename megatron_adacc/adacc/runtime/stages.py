@@ -64,12 +64,12 @@ def _reset_peak() -> None:
 
 
 def supported() -> bool:
-    """Whether this process can measure per-stage peaks (Linux with a resettable peak resident size)."""
-    if not sys.platform.startswith("linux"):
+    """Whether this process can measure per-stage peaks (Linux with a resettable peak resident size); asking
+    resets nothing."""
+    if not sys.platform.startswith("linux") or not os.access("/proc/self/clear_refs", os.W_OK):
         return False
     try:
         _peak_since_reset()
-        _reset_peak()
     except (OSError, AttributeError):
         return False
     return True

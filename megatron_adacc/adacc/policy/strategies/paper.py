@@ -43,22 +43,27 @@ def _solve(problem: Problem, room: float | None) -> list[int] | None:
     if room is not None:
         stored = pulp.lpSum(c.memory_bytes / unit * x[i][k]
                             for i, cs in enumerate(problem.choices) for k, c in enumerate(cs))
-        stages = [pulp.lpSum(nbytes / unit * x[i][k] for i, cs in enumerate(problem.choices)
-                             for k, c in enumerate(cs) if not c.is_recompute
-                             for t, nbytes in problem.choice_stages(i, c).items() if t == s)
-                  + _recomputed_at(prob, problem, x, s, unit) for s in range(problem.num_ops)]
+        by_stage: list[list] = [[] for _ in range(problem.num_ops)]
+        for i, cs in enumerate(problem.choices):
+            for k, c in enumerate(cs):
+                if not c.is_recompute:
+                    for s, nbytes in problem.choice_stages(i, c).items():
+                        by_stage[s].append(nbytes / unit * x[i][k])
+        rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
+        stages = [pulp.lpSum(terms) + _recomputed_at(prob, problem, x, rec, s, unit)
+                  for s, terms in enumerate(by_stage)]
         add_memory_bounds(prob, problem, room, stored, stages)  # eq. 7-8 with the backward stages
     status = run_cbc(prob)
     return picked(x) if status == "Optimal" else None
 
 
-def _recomputed_at(prob: pulp.LpProblem, problem: Problem, x: list, s: int, unit: float) -> pulp.LpAffineExpression:
+def _recomputed_at(prob: pulp.LpProblem, problem: Problem, x: list, rec: list[int | None], s: int,
+                   unit: float) -> pulp.LpAffineExpression:
     """The recomputed bytes live at stage ``s``: op k's values are (their share not yet freed) from their re-run
     down to their earliest readers, which reaches s when some op i of the segment is read at s or later, i.e. when ops
     k..i (or i..k) are all recomputed. A continuous ``z`` above each such conjunction carries op k's bytes; the
     bound only ever pushes it down, to the conjunction's value."""
     n = problem.num_ops
-    rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
     terms = []
     for k in range(n):
         share = problem.held_share[k].get(s, 0.0)
