@@ -104,3 +104,28 @@ def test_the_run_says_loudly_when_it_went_over_its_budget(capsys, peak, over, mo
     monkeypatch.setattr(extension, "peak_memory_bytes", lambda device: peak)
     assert ext._budget_check(900 * 10**6)["over_budget"] is over
     assert ("OVER its memory budget" in capsys.readouterr().err) is over
+
+
+def test_the_calibrated_process_memory_covers_the_peak_and_every_traced_stage():
+    """The process memory outside the model is the larger of what the calibration run's peak exceeds the model
+    by and the largest excess of a traced stage over its bound: the peak need not fall in a traced stage (the
+    trace sees a step's first micro-batch), and a stage can exceed its bound by more than the peak exceeds the
+    model's (the model's largest stage is not the measured one)."""
+    from megatron_adacc.adacc.policy.profile import analytic_profile
+    from megatron_adacc.adacc.policy.solver import SolveOptions, make_problem
+    from megatron_adacc.adacc.runtime import stages
+
+    sig = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
+               dtype="float32", num_layers=3, vocab_size=256)
+    profile = analytic_profile(sig)
+    problem = make_problem(profile, None, SolveOptions())
+    keep = problem.stock_picks()
+    total = problem.total_memory([keep] * 3, stash=True)
+    bound = stages.bounds(problem.fixed_bytes, problem.workspace_bytes, [problem.layer_memory(keep, stash=True)] * 3,
+                          [problem.stage_bytes(keep, stash=True)] * 3)
+    traced = [{"stage": "head", "peak_bytes": bound["head"] + 5e6},
+              {"stage": "L2/softmax", "peak_bytes": bound["L2/softmax"] + 9e6},
+              {"stage": "L0/softmax", "peak_bytes": bound["L0/softmax"] + 40e6}]  # not the bound's own layer
+    assert abs(auto.baseline_from_run(profile, int(total + 1e6), traced) - 9e6) <= 1
+    assert abs(auto.baseline_from_run(profile, int(total + 50e6), traced) - 50e6) <= 1
+    assert abs(auto.baseline_from_run(profile, int(total + 7e6), []) - 7e6) <= 1

@@ -198,10 +198,13 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
 
 
 def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[str, Any]]) -> int:
-    """The process memory outside the cost model, from a keep-everything run of ``profile``'s model: the largest
-    excess of a measured stage over its bound (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the
-    head and the stages of the layer that runs its backward first (the bound's own case), so that no stage of
-    the calibration run is predicted under what it measured; from the peak alone when the run was not traced."""
+    """The process memory outside the cost model, from a keep-everything run of ``profile``'s model: what its
+    peak exceeds the model's prediction by, or, where the run was traced, the largest excess of a measured stage
+    over its bound (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the head and the stages of the
+    layer that runs its backward first (the bound's own case) when that is larger, so that no stage of the
+    calibration run is predicted under what it measured. The peak counts as well because it need not be in a
+    traced stage (the trace covers the first micro-batch of a step, not the optimizer step or what runs before
+    training)."""
     from megatron_adacc.adacc.policy.solver import make_problem
 
     problem = make_problem(profile, None, SolveOptions())
@@ -213,9 +216,7 @@ def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[
     first = f"L{n - 1}/"
     excess = [s["peak_bytes"] - bound[s["stage"]] for s in traced
               if s["stage"] == "head" or s["stage"].startswith(first) and s["stage"] in bound]
-    if excess:
-        return int(round(max(excess)))
-    return int(round(peak_bytes - problem.total_memory([keep] * n, stash=True)))
+    return int(round(max([peak_bytes - problem.total_memory([keep] * n, stash=True), *excess])))
 
 
 def resolve_policy(args: Any, config: Any, *, isolate: bool = False) -> Policy | str | None:

@@ -78,7 +78,8 @@ def supported() -> bool:
 def _low_fragmentation_malloc() -> None:
     """Large blocks from their own mappings from now on, and the heap's free pages given back, so that the
     resident size rises with every large block touched from here (one served from a free heap chunk that was
-    still resident would not show)."""
+    still resident would not show). For :func:`transient_bytes`, in a process that may have started without
+    ``MALLOC_MMAP_THRESHOLD_``."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, _LOW_FRAGMENTATION_THRESHOLD)
@@ -160,7 +161,9 @@ class BackwardTrace:
         problem = trace_problem()
         if problem is not None:
             raise TraceUnavailable(problem)
-        _low_fragmentation_malloc()
+        # Nothing is trimmed or re-tuned here: MALLOC_MMAP_THRESHOLD_ is set from the start, so the resident size
+        # already follows large tensors, and giving the heap's free pages back would make a traced run hold less
+        # than the untraced run it stands for (auto calibrates its process memory from a traced run).
         _reset_peak()
         _ACTIVE = self
         return self
