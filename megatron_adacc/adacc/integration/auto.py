@@ -186,14 +186,22 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
     with tempfile.TemporaryDirectory() as tmp:
         path = str(save_policy(keep_all, os.path.join(tmp, "keep-all.json")))
         log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
-            "in a child process, once per profile and micro-batch size")
-        run = runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy=path, train_iters=2,
-                                 adacc_no_evolution=True, adacc_predict_memory=False, adacc_memory_budget=None,
-                                 adacc_process_baseline_bytes=None, adacc_trace_backward=stages.supported())
+            "in child processes (one as it runs, one traced stage by stage), once per profile and micro-batch size")
+
+        def measured(trace: bool) -> dict | None:
+            return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy=path, train_iters=2,
+                                      adacc_no_evolution=True, adacc_predict_memory=False,
+                                      adacc_memory_budget=None, adacc_process_baseline_bytes=None,
+                                      adacc_trace_backward=trace)
+
+        # The peak comes from a run exactly as the user's runs: a traced one runs keep-everything layers through
+        # the runtime's decomposition instead of megatron's forward.
+        run = measured(False)
+        traced_run = measured(True) if run is not None and stages.supported() else None
     if run is None:
         log("calibration run failed; its error is above")
         return
-    traced = (run.get("extensions") or {}).get("adacc", {}).get("backward_stages") or []
+    traced = ((traced_run or {}).get("extensions") or {}).get("adacc", {}).get("backward_stages") or []
     db.put_baseline(int(ref["id"]), key, baseline_from_run(profile, int(run["peak_memory_bytes"]), traced))
 
 
