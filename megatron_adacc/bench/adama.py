@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import time
 
 from megatron_adacc.bench import harness
+from megatron_adacc.core.devices import peak_resident_bytes, resident_bytes
 
 METHODS = ("adam_accumulation", "adama")
 
@@ -249,11 +249,6 @@ class _Trainer:
         return self.persistent_grad_bytes + self.meter.peak_bytes
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _time_run(args, config, n: int, data: list) -> dict:
     """Both methods from the same weights on the same batches, alternating step by step."""
     args.global_batch_size = args.micro_batch_size * n
@@ -296,10 +291,10 @@ def _child(payload_path: str) -> None:
         n = payload["n"]
         args.global_batch_size = args.micro_batch_size * n
         data = batches_for(n, payload["steps"])
-        rss_before = _rss_bytes()
+        rss_before = resident_bytes()
         trainer = _Trainer(payload["method"], args, config, n)
         losses = [trainer.step(batches) for batches in data]
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_resident_bytes()
         result = {"peak_memory_bytes": peak, "rss_before_training_bytes": rss_before,
                   "gradient_held_bytes": trainer.gradient_held_bytes, "param_bytes": trainer.param_bytes,
                   "losses": losses}

@@ -18,7 +18,7 @@ from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
 from megatron_adacc.adacc.runtime import stages
-from megatron_adacc.core.devices import resolve_device
+from megatron_adacc.core.devices import resident_bytes, resolve_device
 from megatron_adacc.core.errors import AdaccError
 
 T = TypeVar("T")
@@ -102,15 +102,6 @@ def on_rank0(work: Callable[[], T]) -> T:
     return payload
 
 
-def _resident_bytes() -> int:
-    """This process's resident set size now (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, isolate: bool = False) -> Policy:
     """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory).
 
@@ -120,7 +111,7 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
     from megatron_adacc.adacc.integration.profiler import device_memory_bytes
 
     device = _device(args)
-    resident = _resident_bytes()  # before profiling, which may run in this process
+    resident = resident_bytes()  # before profiling, which may run in this process
     profile, ref = get_or_make_profile(args, config, log=log, isolate=isolate)
     if device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None):
         # Kept on args so that policy evolution re-solves against the same process memory.
@@ -169,8 +160,11 @@ LOW_FRAGMENTATION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _run_key(args: Any) -> str:
-    """What a calibrated process baseline depends on besides the profile."""
-    return f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536"
+    """What a calibrated process baseline depends on besides the profile. ``peak=own``: calibrations stored
+    before the peak was the child's own (core.devices.peak_resident_bytes) counted the training process that
+    launched them, and are not reused."""
+    return (f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536;"
+            "peak=own")
 
 
 def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: ProfileDB, key: str,

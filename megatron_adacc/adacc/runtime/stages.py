@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,13 +30,11 @@ from typing import Any
 import torch
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES
-from megatron_adacc.core.devices import note_peak_before_reset
+from megatron_adacc.core.devices import note_peak_before_reset, peak_resident_bytes, resident_bytes
 from megatron_adacc.core.errors import AdaccError
 
 _M_MMAP_THRESHOLD = -3
 _LOW_FRAGMENTATION_THRESHOLD = 65536
-_HWM = re.compile(rb"VmHWM:\s+(\d+) kB")
-_RSS = re.compile(rb"VmRSS:\s+(\d+) kB")
 
 _ACTIVE: BackwardTrace | None = None
 
@@ -47,18 +44,8 @@ def active() -> BackwardTrace | None:
     return _ACTIVE
 
 
-def _peak_since_reset() -> int:
-    with open("/proc/self/status", "rb") as f:
-        return int(_HWM.search(f.read()).group(1)) * 1024
-
-
-def _resident() -> int:
-    with open("/proc/self/status", "rb") as f:
-        return int(_RSS.search(f.read()).group(1)) * 1024
-
-
 def _reset_peak() -> None:
-    note_peak_before_reset(_peak_since_reset())  # the whole run's peak stays known (core.devices)
+    note_peak_before_reset(peak_resident_bytes())  # the whole run's peak stays known (core.devices)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -68,11 +55,7 @@ def supported() -> bool:
     resets nothing."""
     if not sys.platform.startswith("linux") or not os.access("/proc/self/clear_refs", os.W_OK):
         return False
-    try:
-        _peak_since_reset()
-    except (OSError, AttributeError):
-        return False
-    return True
+    return os.path.exists("/proc/self/status")
 
 
 def _low_fragmentation_malloc() -> None:
@@ -110,10 +93,10 @@ def transient_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
     if not supported():
         return None
     _low_fragmentation_malloc()
-    before = _resident()
+    before = resident_bytes()
     _reset_peak()
     fn()
-    return max(0, _peak_since_reset() - before)
+    return max(0, peak_resident_bytes() - before)
 
 
 def bounds(fixed_bytes: float, workspace_bytes: float, stored: Sequence[float],
@@ -202,7 +185,7 @@ class BackwardTrace:
             self._current = label
 
     def _close(self) -> None:
-        peak = _peak_since_reset()
+        peak = peak_resident_bytes()
         _reset_peak()
         if self._current in self._index:
             stage = self.stages[self._index[self._current]]
