@@ -156,3 +156,19 @@ def test_profile_sizes_and_prediction_api(model, batch):
     predicted = predict_layer_memory(policy.layer_decisions(0), sizes)
     assert predicted.stash_bytes > 0 and predicted.rng_bytes == 0
     assert sizes.to_json()["ops"]["linear_qkv"]["saved_bytes"] == 3 * S * B * H * F32
+
+
+def test_profiling_a_layer_leaves_nothing_of_its_forward_alive(model, batch):
+    """The profiled forward's graph held its pack hook and the hook held the saved tensors: a cycle through
+    autograd's C++ nodes that no collector frees, so every layer's profiled activations stayed for the whole run."""
+    import gc
+
+    def graph_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+    layer = model.decoder.layers[0]
+    x = torch.randn(S, B, H, requires_grad=True)
+    before = graph_tensors()
+    profile_layer_sizes(layer, x, batch[2], codecs=_codecs_of(POLICIES["stash-mix"].layer_decisions(0)))
+    assert graph_tensors() == before
