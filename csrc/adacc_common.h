@@ -7,7 +7,10 @@
 //   * rounding is round-half-to-even, applied after clamping to the code range;
 //   * groups are packed independently, each from a byte boundary; value j of a byte sits in bits
 //     [j*bits, (j+1)*bits); padding bits are zero; a 4-bit code q in [-8, 7] is stored as q + 8;
-//   * scales below kTinyScale are flushed to zero (see codecs/base.py: TINY_SCALE).
+//   * scales below kTinyScale are flushed to zero (see codecs/base.py: TINY_SCALE);
+//   * finite input decodes to finite output: a group whose range max - min overflows float32 is worked
+//     on at kQuarter of its values, an overflowing decode is redone at kQuarter and saturated, and every
+//     decode saturates at the output dtype's largest finite value (see reference.py's conventions).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +25,9 @@ namespace adacc {
 
 constexpr float kTinyScale = 7.888609052210118e-31f;  // 2**-100, exactly representable
 constexpr float kRoundMagic = 12582912.0f;             // 1.5 * 2**23: (v + M) - M rounds half to even
+// Exact power of two: scaling by it commutes with rounding, so a quarter-scale computation gives the
+// float32 result of unbounded arithmetic, and a quarter of any two finite floats' difference is finite.
+constexpr float kQuarter = 0.25f;
 
 // MurmurHash3's 32-bit finalizer; uniform24 is the counter-based generator of the stochastic codec
 // (reference.uniform24). A pure function of (seed, index): the random stream does not depend on thread

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "adacc_common.h"
@@ -35,6 +36,15 @@ template <>
 inline c10::Half from_float<c10::Half>(float v) { return c10::Half(v); }
 template <>
 inline c10::BFloat16 from_float<c10::BFloat16>(float v) { return c10::BFloat16(v); }
+// Largest finite value of each output dtype, where decoded values saturate.
+template <typename T>
+constexpr float dtype_max();
+template <>
+constexpr float dtype_max<float>() { return FLT_MAX; }
+template <>
+constexpr float dtype_max<c10::Half>() { return 65504.0f; }
+template <>
+constexpr float dtype_max<c10::BFloat16>() { return 3.38953139e38f; }  // 0x7F7F
 
 #define ADACC_VEC_BYTES 16
 namespace cpu_base {

@@ -4,7 +4,7 @@
 // the compiler vectorizes them for whichever instruction set is in effect; there are no intrinsics.
 //
 // Requires (from the includer): <ATen/Parallel.h>, <algorithm>, <atomic>, <cfloat>, <cmath>, <cstring>,
-// <vector>, adacc_common.h, and adacc::to_float / adacc::from_float<T>.
+// <type_traits>, <vector>, adacc_common.h, and adacc::to_float / from_float<T> / dtype_max<T>.
 
 // GCC/Clang vector extensions: explicit float lanes, ADACC_VEC_BYTES wide (16 = SSE2 in the baseline
 // variant, 32 = AVX in the AVX2 one; the includer defines it). Min/max reductions are not auto-vectorized
@@ -74,6 +74,53 @@ static inline float symmetric_scale(float mn, float mx) {
 static inline float flush_tiny(float s) { return s < kTinyScale ? 0.0f : s; }
 static inline float inverse(float s) { return s > 0.0f ? 1.0f / s : 0.0f; }
 
+// (mx - mn) / levels, and the factor k (1, or kQuarter where mx - mn overflows) at which the group's
+// values are taken so that their codes do not overflow either (reference._range_scale). With one level
+// (1-bit stochastic) an overflowing range has no float32 scale: it saturates at FLT_MAX.
+static inline float range_scale(float mn, float mx, float levels, float& k) {
+  k = mx - mn > FLT_MAX ? kQuarter : 1.0f;
+  const float s = flush_tiny((mx * k - mn * k) / levels / k);  // exactly (mx - mn) / levels where k == 1
+  return s > FLT_MAX ? FLT_MAX : s;
+}
+
+// Decoding. A GUARDED decode gives the reference's finite result where q * s (+ o) overflows: it redoes
+// an overflowing q * s + o at a quarter, and saturates at the output dtype's largest finite value (a code
+// may lie half a step past its group's extreme value). Rounding is monotone in q, so a group whose lowest
+// and highest codes decode within that value needs no guard: only groups at the dtype's extremes pay.
+template <typename T>
+static inline float saturated(float v) {
+  return v < -dtype_max<T>() ? -dtype_max<T>() : (v > dtype_max<T>() ? dtype_max<T>() : v);
+}
+
+template <typename T>
+static inline bool needs_guard(float qlo, float qhi, float s, float o) {
+  return !(std::fabs(qlo * s + o) <= dtype_max<T>() && std::fabs(qhi * s + o) <= dtype_max<T>());
+}
+
+// f(std::true_type) where guarded, else f(std::false_type): one loop instance of each.
+template <typename F>
+static inline void with_guard(bool guarded, F&& f) {
+  if (guarded)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
+template <typename T, bool GUARDED>
+static inline T decode_sym(float q, float s) {
+  return from_float<T>(GUARDED ? saturated<T>(q * s) : q * s);
+}
+
+// q * s + o (reference._affine_decode): an overflow is redone at a quarter, saturated, times four.
+template <typename T, bool GUARDED>
+static inline T decode_affine(float q, float s, float o) {
+  const float v = q * s + o;
+  if (!GUARDED) return from_float<T>(v);
+  const float lim = FLT_MAX * kQuarter;
+  const float w = q * (s * kQuarter) + o * kQuarter;
+  return from_float<T>(saturated<T>(std::fabs(v) <= FLT_MAX ? v : (w < -lim ? -lim : (w > lim ? lim : w)) * 4.0f));
+}
+
 // round(clamp(v, -8, 7)) + 8 as an int in [0, 15].
 // Clamping the rounded integer equals rounding the clamped value (integer bounds); v is bounded by the
 // scale choice (|v| <= 8 up to rounding) for finite input, and non-finite input is flagged and discarded.
@@ -112,13 +159,16 @@ static inline void pack_sym4_per_channel(const T* __restrict__ x, int64_t n, con
 // Decode n symmetric 4-bit codes: (q - 8) * scale.
 template <typename T>
 static inline void unpack_sym4(const uint8_t* in, int64_t n, float scale, T* out) {
-  const int64_t pairs = n / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
-    const int32_t b = in[j];
-    out[2 * j] = from_float<T>(static_cast<float>((b & 15) - 8) * scale);
-    out[2 * j + 1] = from_float<T>(static_cast<float>((b >> 4) - 8) * scale);
-  }
-  if (n & 1) out[n - 1] = from_float<T>(static_cast<float>((in[pairs] & 15) - 8) * scale);
+  with_guard(needs_guard<T>(-8.0f, 7.0f, scale, 0.0f), [&](auto guard) {
+    constexpr bool G = decltype(guard)::value;
+    const int64_t pairs = n / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int32_t b = in[j];
+      out[2 * j] = decode_sym<T, G>(static_cast<float>((b & 15) - 8), scale);
+      out[2 * j + 1] = decode_sym<T, G>(static_cast<float>((b >> 4) - 8), scale);
+    }
+    if (n & 1) out[n - 1] = decode_sym<T, G>(static_cast<float>((in[pairs] & 15) - 8), scale);
+  });
 }
 
 // Elements per parallel task: large enough to amortize scheduling, small enough to balance.
@@ -178,20 +228,24 @@ void asym_int4_compress(const T* x, int64_t n, int64_t group, uint8_t* payload, 
       bool bad;
       minmax_bad(x + off, len, mn, mx, bad);
       bad_here |= bad;
-      const float s = flush_tiny((mx - mn) / 15.0f);
-      const float o = mn + 8.0f * s;
-      const float inv = inverse(s);
+      float k;
+      const float s = range_scale(mn, mx, 15.0f, k);
+      const float o = (mn * k + 8.0f * (s * k)) / k;
+      const float ok = o * k, inv = inverse(s * k);
       scales[g] = s;
       offsets[g] = o;
       const T* xg = x + off;
       uint8_t* out = payload + g * gb;
       const int64_t pairs = len / 2;
-      for (int64_t j = 0; j < pairs; ++j) {
-        const int32_t lo = code4((to_float(xg[2 * j]) - o) * inv);
-        const int32_t hi = code4((to_float(xg[2 * j + 1]) - o) * inv);
-        out[j] = static_cast<uint8_t>(lo | (hi << 4));
-      }
-      if (len & 1) out[pairs] = static_cast<uint8_t>(code4((to_float(xg[len - 1]) - o) * inv));
+      with_guard(k != 1.0f, [&](auto guard) {
+        const float kg = decltype(guard)::value ? k : 1.0f;  // a literal 1 folds away: no multiply per value
+        for (int64_t j = 0; j < pairs; ++j) {
+          const int32_t lo = code4((to_float(xg[2 * j]) * kg - ok) * inv);
+          const int32_t hi = code4((to_float(xg[2 * j + 1]) * kg - ok) * inv);
+          out[j] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+        if (len & 1) out[pairs] = static_cast<uint8_t>(code4((to_float(xg[len - 1]) * kg - ok) * inv));
+      });
     }
     if (bad_here) any_bad.store(true, std::memory_order_relaxed);
   });
@@ -210,12 +264,15 @@ void asym_int4_decompress(const uint8_t* payload, const float* scales, const flo
       const uint8_t* in = payload + g * gb;
       T* y = out + off;
       const int64_t pairs = len / 2;
-      for (int64_t j = 0; j < pairs; ++j) {
-        const int32_t b = in[j];
-        y[2 * j] = from_float<T>(static_cast<float>((b & 15) - 8) * s + o);
-        y[2 * j + 1] = from_float<T>(static_cast<float>((b >> 4) - 8) * s + o);
-      }
-      if (len & 1) y[len - 1] = from_float<T>(static_cast<float>((in[pairs] & 15) - 8) * s + o);
+      with_guard(needs_guard<T>(-8.0f, 7.0f, s, o), [&](auto guard) {
+        constexpr bool G = decltype(guard)::value;
+        for (int64_t j = 0; j < pairs; ++j) {
+          const int32_t b = in[j];
+          y[2 * j] = decode_affine<T, G>(static_cast<float>((b & 15) - 8), s, o);
+          y[2 * j + 1] = decode_affine<T, G>(static_cast<float>((b >> 4) - 8), s, o);
+        }
+        if (len & 1) y[len - 1] = decode_affine<T, G>(static_cast<float>((in[pairs] & 15) - 8), s, o);
+      });
     }
   });
 }
@@ -271,17 +328,22 @@ template <typename T>
 void chan_int4_decompress(const uint8_t* payload, const float* scales, int64_t rows, int64_t cols, T* out) {
   const int64_t rb = group_bytes(cols, 4);
   const int64_t pairs = cols / 2;
-  at::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* in = payload + r * rb;
-      T* y = out + r * cols;
-      for (int64_t j = 0; j < pairs; ++j) {
-        const int32_t b = in[j];
-        y[2 * j] = from_float<T>(static_cast<float>((b & 15) - 8) * scales[2 * j]);
-        y[2 * j + 1] = from_float<T>(static_cast<float>((b >> 4) - 8) * scales[2 * j + 1]);
+  bool guarded = false;
+  for (int64_t c = 0; c < cols; ++c) guarded |= needs_guard<T>(-8.0f, 7.0f, scales[c], 0.0f);
+  with_guard(guarded, [&](auto guard) {
+    constexpr bool G = decltype(guard)::value;
+    at::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const uint8_t* in = payload + r * rb;
+        T* y = out + r * cols;
+        for (int64_t j = 0; j < pairs; ++j) {
+          const int32_t b = in[j];
+          y[2 * j] = decode_sym<T, G>(static_cast<float>((b & 15) - 8), scales[2 * j]);
+          y[2 * j + 1] = decode_sym<T, G>(static_cast<float>((b >> 4) - 8), scales[2 * j + 1]);
+        }
+        if (cols & 1) y[cols - 1] = decode_sym<T, G>(static_cast<float>((in[pairs] & 15) - 8), scales[cols - 1]);
       }
-      if (cols & 1) y[cols - 1] = from_float<T>(static_cast<float>((in[pairs] & 15) - 8) * scales[cols - 1]);
-    }
+    });
   });
 }
 
@@ -431,25 +493,29 @@ void stochastic_compress(const T* x, int64_t n, int64_t group, uint64_t seed, ui
       minmax_bad(x + off, len, mn, mx, bad);
       bad_here |= bad;
       mn = mn + 0.0f;  // -0.0 -> +0.0: which signed zero a min returns depends on the order
-      const float s = flush_tiny((mx - mn) / static_cast<float>(qmax));
-      const float inv = inverse(s);
+      float k;
+      const float s = range_scale(mn, mx, static_cast<float>(qmax), k);
+      const float mk = mn * k, inv = inverse(s * k);
       mins[g] = mn;
       scales[g] = s;
       // kCodeBlock is a multiple of 8 / BITS, so every block but the last fills whole bytes.
-      for (int64_t b0 = 0; b0 < len; b0 += kCodeBlock) {
-        const int64_t blen = std::min(kCodeBlock, len - b0);
-        const T* xb = x + off + b0;
-        const uint64_t base = static_cast<uint64_t>(off + b0);
-        for (int64_t j = 0; j < blen; ++j) {
-          const float t = (to_float(xb[j]) - mn) * inv;  // >= 0: x >= mn and inv >= 0
-          int32_t q = static_cast<int32_t>(t);
-          const float frac = t - static_cast<float>(q);
-          const float u = static_cast<float>(uniform24(seed, base + static_cast<uint64_t>(j))) * 0x1p-24f;
-          q += u < frac ? 1 : 0;
-          codes[j] = static_cast<uint8_t>(q < qmax ? q : qmax);
+      with_guard(k != 1.0f, [&](auto guard) {
+        const float kg = decltype(guard)::value ? k : 1.0f;  // a literal 1 folds away: no multiply per value
+        for (int64_t b0 = 0; b0 < len; b0 += kCodeBlock) {
+          const int64_t blen = std::min(kCodeBlock, len - b0);
+          const T* xb = x + off + b0;
+          const uint64_t base = static_cast<uint64_t>(off + b0);
+          for (int64_t j = 0; j < blen; ++j) {
+            const float t = (to_float(xb[j]) * kg - mk) * inv;  // >= 0: x >= mn and inv >= 0
+            int32_t q = static_cast<int32_t>(t);
+            const float frac = t - static_cast<float>(q);
+            const float u = static_cast<float>(uniform24(seed, base + static_cast<uint64_t>(j))) * 0x1p-24f;
+            q += u < frac ? 1 : 0;
+            codes[j] = static_cast<uint8_t>(q < qmax ? q : qmax);
+          }
+          pack_codes<BITS>(codes, blen, payload + g * gb + b0 * BITS / 8);
         }
-        pack_codes<BITS>(codes, blen, payload + g * gb + b0 * BITS / 8);
-      }
+      });
     }
     if (bad_here) any_bad.store(true, std::memory_order_relaxed);
   });
@@ -470,15 +536,18 @@ void stochastic_decompress(const uint8_t* payload, const float* mins, const floa
       const uint8_t* in = payload + g * gb;
       T* y = out + off;
       const int64_t full = len / per_byte;
-      for (int64_t i = 0; i < full; ++i) {
-        const uint32_t b = in[i];
-        for (int j = 0; j < per_byte; ++j)
-          y[i * per_byte + j] = from_float<T>(static_cast<float>((b >> (j * BITS)) & mask) * s + mn);
-      }
-      for (int64_t j = full * per_byte; j < len; ++j) {
-        const uint32_t b = in[j / per_byte];
-        y[j] = from_float<T>(static_cast<float>((b >> ((j % per_byte) * BITS)) & mask) * s + mn);
-      }
+      with_guard(needs_guard<T>(0.0f, static_cast<float>(mask), s, mn), [&](auto guard) {
+        constexpr bool G = decltype(guard)::value;
+        for (int64_t i = 0; i < full; ++i) {
+          const uint32_t b = in[i];
+          for (int j = 0; j < per_byte; ++j)
+            y[i * per_byte + j] = decode_affine<T, G>(static_cast<float>((b >> (j * BITS)) & mask), s, mn);
+        }
+        for (int64_t j = full * per_byte; j < len; ++j) {
+          const uint32_t b = in[j / per_byte];
+          y[j] = decode_affine<T, G>(static_cast<float>((b >> ((j % per_byte) * BITS)) & mask), s, mn);
+        }
+      });
     }
   });
 }

@@ -36,9 +36,20 @@ constexpr int64_t kRowChunk = 256;  // same chunking as the CPU kernels
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(c10::Half v) { return static_cast<float>(v); }
 __device__ __forceinline__ float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+// Decoded values saturate at the output dtype's largest finite value (as from_float on the CPU): a code
+// may decode up to half a step beyond its group's extreme value, which must not become Inf.
+template <typename T>
+__device__ __forceinline__ float dtype_max();
+template <>
+__device__ __forceinline__ float dtype_max<float>() { return FLT_MAX; }
+template <>
+__device__ __forceinline__ float dtype_max<c10::Half>() { return 65504.0f; }
+template <>
+__device__ __forceinline__ float dtype_max<c10::BFloat16>() { return 3.38953139e38f; }  // 0x7F7F
 template <typename T>
 __device__ __forceinline__ T from_f(float v) {
-  return T(v);  // round to nearest even for Half and BFloat16
+  const float big = dtype_max<T>();
+  return T(v < -big ? -big : (v > big ? big : v));  // round to nearest even for Half and BFloat16
 }
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -80,6 +91,23 @@ __device__ __forceinline__ float symmetric_scale(float mn, float mx) {
 __device__ __forceinline__ float flush_tiny(float s) { return s < kTinyScale ? 0.0f : s; }
 __device__ __forceinline__ float inverse(float s) { return s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f; }
 
+// (mx - mn) / levels and the factor k (1, or kQuarter where mx - mn overflows) at which the group's values
+// are taken so that their codes do not overflow either; 1-bit scales saturate (reference._range_scale).
+__device__ __forceinline__ float range_scale(float mn, float mx, float levels, float& k) {
+  k = __fsub_rn(mx, mn) > FLT_MAX ? kQuarter : 1.0f;
+  const float s = flush_tiny(__fdiv_rn(__fdiv_rn(__fsub_rn(__fmul_rn(mx, k), __fmul_rn(mn, k)), levels), k));
+  return s > FLT_MAX ? FLT_MAX : s;
+}
+
+// q * s + o, redone at a quarter and saturated where it overflows (reference._affine_decode).
+__device__ __forceinline__ float affine_decode(float q, float s, float o) {
+  const float v = __fadd_rn(__fmul_rn(q, s), o);
+  if (fabsf(v) <= FLT_MAX) return v;
+  const float lim = FLT_MAX * kQuarter;
+  const float w = __fadd_rn(__fmul_rn(q, __fmul_rn(s, kQuarter)), __fmul_rn(o, kQuarter));
+  return __fmul_rn(w < -lim ? -lim : (w > lim ? lim : w), 4.0f);
+}
+
 __device__ __forceinline__ int32_t code4(float v) {
   int32_t q = __float2int_rn(v);
   q = q < -8 ? -8 : q;
@@ -110,14 +138,14 @@ __global__ void int4_group_compress_kernel(const T* __restrict__ x, int64_t n, i
     bool is_bad;
     warp_minmax_bad(xg, len, lane, mn, mx, is_bad);
     if (is_bad && lane == 0) flag_bad(bad);
-    float s, o = 0.0f;
+    float s, o = 0.0f, k = 1.0f;
     if (ASYM) {
-      s = flush_tiny(__fdiv_rn(__fsub_rn(mx, mn), 15.0f));
-      o = __fadd_rn(mn, __fmul_rn(8.0f, s));
+      s = range_scale(mn, mx, 15.0f, k);
+      o = __fdiv_rn(__fadd_rn(__fmul_rn(mn, k), __fmul_rn(8.0f, __fmul_rn(s, k))), k);
     } else {
       s = symmetric_scale(mn, mx);
     }
-    const float inv = inverse(s);
+    const float ok = __fmul_rn(o, k), inv = inverse(__fmul_rn(s, k));
     if (lane == 0) {
       scales[g] = s;
       if (ASYM) offsets[g] = o;
@@ -126,11 +154,11 @@ __global__ void int4_group_compress_kernel(const T* __restrict__ x, int64_t n, i
     const int64_t nbytes = ceil_div(len, 2);
     for (int64_t j = lane; j < nbytes; j += 32) {
       const float v0 = to_f(xg[2 * j]);
-      const int32_t lo = code4(__fmul_rn(ASYM ? __fsub_rn(v0, o) : v0, inv));
+      const int32_t lo = code4(__fmul_rn(ASYM ? __fsub_rn(__fmul_rn(v0, k), ok) : v0, inv));
       int32_t hi = 0;
       if (2 * j + 1 < len) {
         const float v1 = to_f(xg[2 * j + 1]);
-        hi = code4(__fmul_rn(ASYM ? __fsub_rn(v1, o) : v1, inv));
+        hi = code4(__fmul_rn(ASYM ? __fsub_rn(__fmul_rn(v1, k), ok) : v1, inv));
       }
       out[j] = static_cast<uint8_t>(lo | (hi << 4));
     }
@@ -152,14 +180,9 @@ __global__ void int4_group_decompress_kernel(const uint8_t* __restrict__ payload
     const int32_t byte = payload[b];
     const float s = scales[g];
     const float o = ASYM ? offsets[g] : 0.0f;
-    float v0 = __fmul_rn(static_cast<float>((byte & 15) - 8), s);
-    if (ASYM) v0 = __fadd_rn(v0, o);
-    out[e] = from_f<T>(v0);
-    if (e + 1 < end) {
-      float v1 = __fmul_rn(static_cast<float>((byte >> 4) - 8), s);
-      if (ASYM) v1 = __fadd_rn(v1, o);
-      out[e + 1] = from_f<T>(v1);
-    }
+    const float q0 = static_cast<float>((byte & 15) - 8), q1 = static_cast<float>((byte >> 4) - 8);
+    out[e] = from_f<T>(ASYM ? affine_decode(q0, s, o) : __fmul_rn(q0, s));
+    if (e + 1 < end) out[e + 1] = from_f<T>(ASYM ? affine_decode(q1, s, o) : __fmul_rn(q1, s));
   }
 }
 
@@ -356,8 +379,9 @@ __global__ void stochastic_compress_kernel(const T* __restrict__ x, int64_t n, i
     warp_minmax_bad(xg, len, lane, mn, mx, is_bad);
     if (is_bad && lane == 0) flag_bad(bad);
     mn = __fadd_rn(mn, 0.0f);  // -0.0 -> +0.0, as on the CPU
-    const float s = flush_tiny(__fdiv_rn(__fsub_rn(mx, mn), static_cast<float>(qmax)));
-    const float inv = inverse(s);
+    float k;
+    const float s = range_scale(mn, mx, static_cast<float>(qmax), k);
+    const float mk = __fmul_rn(mn, k), inv = inverse(__fmul_rn(s, k));
     if (lane == 0) {
       mins[g] = mn;
       scales[g] = s;
@@ -369,7 +393,7 @@ __global__ void stochastic_compress_kernel(const T* __restrict__ x, int64_t n, i
       for (int t = 0; t < per_byte; ++t) {
         const int64_t e = j * per_byte + t;
         if (e < len) {
-          const float tv = __fmul_rn(__fsub_rn(to_f(xg[e]), mn), inv);
+          const float tv = __fmul_rn(__fsub_rn(__fmul_rn(to_f(xg[e]), k), mk), inv);
           int32_t q = __float2int_rz(tv);
           const float frac = __fsub_rn(tv, static_cast<float>(q));
           const float u = __fmul_rn(static_cast<float>(uniform24(seed, static_cast<uint64_t>(off + e))), 0x1p-24f);
@@ -400,7 +424,7 @@ __global__ void stochastic_decompress_kernel(const uint8_t* __restrict__ payload
     const float s = scales[g], mn = mins[g];
     for (int t = 0; t < per_byte; ++t) {
       if (e0 + t < end)
-        out[e0 + t] = from_f<T>(__fadd_rn(__fmul_rn(static_cast<float>((byte >> (t * BITS)) & mask), s), mn));
+        out[e0 + t] = from_f<T>(affine_decode(static_cast<float>((byte >> (t * BITS)) & mask), s, mn));
     }
   }
 }

@@ -80,7 +80,9 @@ class Int4SymmetricCodec(_GroupedInt4):
     clipped to 7, an error of a full step ``S``. We use ``S = max(max(x, 0) / 7, -min(x, 0) / 8)``, the
     smallest scale whose code range ``[-8, 7]`` holds the whole group, so nothing clips and every value
     is within half a step: ``|x - x_hat| <= S / 2`` (plus float32 rounding). When the group's extreme
-    value is negative this is exactly the paper's ``max|x| / 8``. Decode: ``x_hat = q * S``.
+    value is negative this is exactly the paper's ``max|x| / 8``. Decode: ``x_hat = q * S``, saturated at
+    the dtype's largest finite value: when ``S`` comes from the positive side, code -8 lies up to
+    ``S / 2`` below the minimum, past ``-finfo.max`` for a minimum near it (an Inf without the clamp).
     """
 
     name = "int4_symmetric"
@@ -108,6 +110,10 @@ class Int4AsymmetricCodec(_GroupedInt4):
     span fifteen steps, so we use ``S = (max - min) / 15`` and ``O = min + 8 S`` (the minimum maps to -8,
     the maximum to 7): ``q = round((x - O) / S)``, decode ``x_hat = q * S + O`` (the paper's formula),
     and ``|x - x_hat| <= S / 2`` for every value. A constant group has ``S = 0`` and decodes exactly.
+
+    A range ``max - min`` beyond float32 (values of both signs past about 1.7e38, e.g. bfloat16's
+    extremes) is worked out at a quarter of the values: ``S`` and ``O`` are the same float32 numbers
+    unbounded arithmetic would give, and the codes and the decode never overflow (issue #22).
     """
 
     name = "int4_asymmetric"

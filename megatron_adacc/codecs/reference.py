@@ -15,6 +15,12 @@ Shared conventions (also documented in ``csrc/adacc_common.h``):
 * A 4-bit code ``q`` in ``[-8, 7]`` is stored biased, as the nibble ``q + 8``.
 * Every ``*_compress`` also returns ``bad``: an int32 tensor of one element, non-zero when the input held
   NaN or Inf (the compiled kernels find this inside their min/max pass).
+* Finite input decodes to finite output. A group whose range ``max - min`` overflows float32 (values of
+  both signs beyond about 1.7e38, or bfloat16's extremes) is quantized at a quarter of its values,
+  which gives the float32 scale and offset of unbounded arithmetic (powers of two commute with
+  rounding) and leaves every other group bit for bit as before. A decode that overflows is redone at
+  a quarter and saturated, and every decode saturates at the output dtype's largest finite value:
+  a code may lie up to half a step beyond the group's extreme value, which is itself finite.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 from megatron_adacc.codecs.base import TINY_SCALE
 
 _M32 = 0xFFFFFFFF
+_F32_MAX = torch.finfo(torch.float32).max
+_QUARTER = 0.25
 
 
 # --------------------------------------------------------------------------------------------- packing
@@ -85,6 +93,31 @@ def _inverse(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
 
 
+def _range_scale(mx: torch.Tensor, mn: torch.Tensor, levels: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mx - mn) / levels`` per group, and the factor ``k`` (1, or 1/4 where ``mx - mn`` overflows) at
+    which the group's values must be taken to compute codes without overflow. With one level (1-bit
+    stochastic) an overflowing range has no float32 scale: it saturates at the largest finite value."""
+    k = torch.where(mx - mn > _F32_MAX, _QUARTER, 1.0).to(mx.dtype)
+    s = (mx * k - mn * k) / levels / k  # exactly (mx - mn) / levels where k == 1
+    s = torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
+    return s.clamp_max(_F32_MAX), k
+
+
+def _affine_decode(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """``q * s + o`` (codes ``q`` as float32, ``s`` and ``o`` per group); where that overflows (the far
+    codes of a group of overflowing range), the same at a quarter, saturated, times four."""
+    v = q * s[:, None] + o[:, None]
+    lim = _F32_MAX * _QUARTER
+    w = (q * (s * _QUARTER)[:, None] + (o * _QUARTER)[:, None]).clamp(-lim, lim) * 4
+    return torch.where(torch.isfinite(v), v, w)
+
+
+def _saturate(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``v`` cast to ``dtype`` with values beyond its range clamped to its largest finite value."""
+    big = torch.finfo(dtype).max
+    return v.clamp(-big, big).to(dtype)
+
+
 def _codes4(v: torch.Tensor) -> torch.Tensor:
     """float32 ``v`` → biased nibbles ``round(clamp(v, -8, 7)) + 8``."""
     return (torch.round(v.clamp(-8, 7)) + 8).to(torch.int32)
@@ -108,7 +141,7 @@ def sym_int4_decompress(payload: torch.Tensor, scales: torch.Tensor, group: int,
         return
     q = unpack_groups(payload, n, group, 4)
     v = (q.float() - 8) * scales[:, None]
-    out.copy_(v.reshape(-1)[:n].to(out.dtype))
+    out.copy_(_saturate(v.reshape(-1)[:n], out.dtype))
 
 
 # ---------------------------------------------------------------------------------- asymmetric groups
@@ -121,10 +154,9 @@ def asym_int4_compress(
         return e.to(torch.uint8), e.float(), e.float(), _bad(x)
     g = _groups(x, group)
     mx, mn = g.amax(1), g.amin(1)
-    s = (mx - mn) / 15
-    s = torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
-    o = mn + 8 * s
-    q = _codes4((g - o[:, None]) * _inverse(s)[:, None])
+    s, k = _range_scale(mx, mn, 15)
+    o = (mn * k + 8 * (s * k)) / k
+    q = _codes4((g * k[:, None] - (o * k)[:, None]) * _inverse(s * k)[:, None])
     return pack_groups(q, n, group, 4), s.contiguous(), o.contiguous(), _bad(x)
 
 
@@ -135,8 +167,8 @@ def asym_int4_decompress(
     if n == 0:
         return
     q = unpack_groups(payload, n, group, 4)
-    v = (q.float() - 8) * scales[:, None] + offsets[:, None]
-    out.copy_(v.reshape(-1)[:n].to(out.dtype))
+    v = _affine_decode(q.float() - 8, scales, offsets)
+    out.copy_(_saturate(v.reshape(-1)[:n], out.dtype))
 
 
 # ------------------------------------------------------------------------------------- channel-wise
@@ -156,7 +188,7 @@ def chan_int4_decompress(payload: torch.Tensor, scales: torch.Tensor, out: torch
     if out.numel() == 0:
         return
     q = unpack_groups(payload, rows * cols, cols, 4)
-    out.copy_(((q.float() - 8) * scales[None, :]).to(out.dtype))
+    out.copy_(_saturate((q.float() - 8) * scales[None, :], out.dtype))
 
 
 # ---------------------------------------------------------------------------------- outlier-separated
@@ -211,7 +243,7 @@ def outlier_int4_decompress(
     if out.numel() == 0:
         return
     q = unpack_groups(payload, rows * cols, cols, 4)
-    out.copy_(((q.float() - 8) * scales[:, None]).to(out.dtype))
+    out.copy_(_saturate((q.float() - 8) * scales[:, None], out.dtype))
     out[:, idx.long()] = outliers
 
 
@@ -269,9 +301,8 @@ def stochastic_compress(
         return e.to(torch.uint8), e.float(), e.float(), _bad(x)
     g = _groups(x, group)
     mx, mn = g.amax(1), g.amin(1) + 0.0  # + 0.0: -0.0 -> +0.0 (min's signed zero depends on order)
-    s = (mx - mn) / float((1 << bits) - 1)
-    s = torch.where(s < TINY_SCALE, torch.zeros_like(s), s)
-    t = (g - mn[:, None]) * _inverse(s)[:, None]
+    s, k = _range_scale(mx, mn, float((1 << bits) - 1))
+    t = (g * k[:, None] - (mn * k)[:, None]) * _inverse(s * k)[:, None]
     base = t.trunc()
     frac = t - base
     index = torch.arange(g.numel(), device=x.device, dtype=torch.int64).view_as(g)
@@ -292,8 +323,8 @@ def stochastic_decompress(
     if n == 0:
         return
     q = unpack_groups(payload, n, group, bits)
-    v = q.float() * scales[:, None] + mins[:, None]
-    out.copy_(v.reshape(-1)[:n].to(out.dtype))
+    v = _affine_decode(q.float(), scales, mins)
+    out.copy_(_saturate(v.reshape(-1)[:n], out.dtype))
 
 
 def get_codec(name: str, **params):  # noqa: ANN201 - returns a Codec

@@ -26,6 +26,12 @@ class StochasticCodec(Codec):
     ``torch.manual_seed`` makes it reproducible), feeds a counter-based hash of each element's index; the
     random stream is therefore identical on CPU, CUDA and in the reference, whatever the thread count.
     Uniforms have 24 bits, so the rounding probability is within ``2**-24`` of ``frac(T)``.
+
+    Extremes: a range ``max - min`` beyond float32 (values of both signs past about 1.7e38) is worked out
+    at a quarter of the values, so ``S`` is still the float32 value of ``range / (2**b - 1)`` and no code
+    or decoded value overflows. With 1 bit that ``S`` is the range itself, which float32 cannot hold: it
+    saturates at ``finfo.max``, and values above ``min + finfo.max`` round down to that level, so such a
+    group is within one step (of its true range) but no longer unbiased.
     """
 
     name = "stochastic"

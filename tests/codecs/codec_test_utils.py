@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # the "extension not built" warning, asserted elsewhere
-    from megatron_adacc.codecs import Packed, _backend, get_codec, reference
+    from megatron_adacc.codecs import TINY_SCALE, Packed, _backend, get_codec, reference
 
 EXT = _backend._C
 """The compiled extension, or None when it is not built (then the kernel comparisons are skipped)."""
@@ -70,3 +71,45 @@ def activation_like(shape: tuple[int, ...], dtype: torch.dtype, outlier_channels
     if x.dim() and shape[-1] > outlier_channels:
         x[..., :outlier_channels] *= 30
     return x.to(dtype)
+
+
+REL_EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+"""Half an ulp, relative: the error of casting the float32 decode to the output dtype."""
+
+
+def per_element_scale(name: str, p: Packed, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The quantization step S that applies to each element (0 for exactly stored outliers): the stored
+    ``scales`` by default, or any tensor laid out like them (one value per group, channel or row)."""
+    n = x.numel()
+    t = p.tensors
+    s = t["scales"] if scales is None else scales
+    rows, cols = (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
+    if name in ("int4_symmetric", "int4_asymmetric", "stochastic"):
+        g = p.meta["group"]
+        return s.repeat_interleave(g)[:n].view(x.shape)
+    if name == "int4_channelwise":
+        return s.expand(rows, cols).reshape(x.shape)
+    s = s[:, None].expand(rows, cols).clone()
+    s[:, t["index"].long()] = 0.0
+    return s.reshape(x.shape)
+
+
+def check_bound(name: str, p: Packed, x: torch.Tensor, y: torch.Tensor, step: torch.Tensor | None = None) -> None:
+    """``|x - y|`` within the codec's bound for per-element steps ``step`` (default: the stored scales).
+
+    In float64, so that neither the error nor the bound overflows for values near float32's maximum (an
+    Inf on both sides would pass vacuously)."""
+    xf, yf = x.double(), y.double()
+    step = (per_element_scale(name, p, x) if step is None else step).double()
+    # Half a step (a full step for stochastic rounding), float32 rounding of the decode, the cast of the
+    # decode to the output dtype (with fp16's subnormal spacing), and the flush of tiny groups.
+    steps = 1.0 if name == "stochastic" else 0.5
+    bound = (
+        steps * step * (1 + 1e-5)
+        + 1e-6 * (xf.abs() + step)
+        + REL_EPS[x.dtype] * yf.abs()
+        + (2.0**-24 if x.dtype == torch.float16 else 0.0)
+        + 8 * TINY_SCALE
+    )
+    err = (xf - yf).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"

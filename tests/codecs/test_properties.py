@@ -4,19 +4,24 @@ and device, the per-codec error bound, and nbytes == the documented formula."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from codec_test_utils import EXT, QUANTIZERS, assert_bitwise_equal, assert_packed_equal, compress, num_outliers, pair
+from codec_test_utils import (
+    EXT,
+    QUANTIZERS,
+    assert_bitwise_equal,
+    assert_packed_equal,
+    check_bound,
+    compress,
+    num_outliers,
+    pair,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_adacc.codecs import TINY_SCALE, get_codec
+from megatron_adacc.codecs import get_codec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-REL_EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-"""Half an ulp, relative: the error of casting the float32 decode to the output dtype."""
 
 
 @st.composite
@@ -50,38 +55,6 @@ def tensors(draw):
     return x
 
 
-def _per_element_scale(name: str, p, x: torch.Tensor) -> torch.Tensor:
-    """The quantization step S that applies to each element (0 for exactly stored outliers)."""
-    n = x.numel()
-    t = p.tensors
-    rows, cols = (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
-    if name in ("int4_symmetric", "int4_asymmetric", "stochastic"):
-        g = p.meta["group"]
-        return t["scales"].repeat_interleave(g)[:n].view(x.shape)
-    if name == "int4_channelwise":
-        return t["scales"].expand(rows, cols).reshape(x.shape)
-    s = t["scales"][:, None].expand(rows, cols).clone()
-    s[:, t["index"].long()] = 0.0
-    return s.reshape(x.shape)
-
-
-def _check_bound(name: str, p, x: torch.Tensor, y: torch.Tensor) -> None:
-    xf, yf = x.float(), y.float()
-    step = _per_element_scale(name, p, x).float()
-    # Half a step (a full step for stochastic rounding), float32 rounding of the decode, the cast of the
-    # decode to the output dtype (with fp16's subnormal spacing), and the flush of tiny groups.
-    steps = 1.0 if name == "stochastic" else 0.5
-    bound = (
-        steps * step * (1 + 1e-5)
-        + 1e-6 * (xf.abs() + step)
-        + REL_EPS[x.dtype] * yf.abs()
-        + (2.0**-24 if x.dtype == torch.float16 else 0.0)
-        + 8 * TINY_SCALE
-    )
-    err = (xf - yf).abs()
-    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
-
-
 @pytest.mark.parametrize(("name", "params"), QUANTIZERS, ids=[f"{n}{p}" for n, p in QUANTIZERS])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(x=tensors())
@@ -91,7 +64,7 @@ def test_quantizer_properties(name, params, x):
     y = codec.decompress(p)
     assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device and y.is_contiguous()
     assert p.nbytes == codec.compressed_nbytes(x.shape, x.dtype, num_outliers=num_outliers(p))
-    _check_bound(name, p, x, y)
+    check_bound(name, p, x, y)
     if EXT is not None:
         q = compress(oracle, x)
         assert_packed_equal(p, q)
