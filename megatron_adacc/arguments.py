@@ -71,4 +71,15 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Start bucket gradient reduction during backward.")
     g.add_argument("--use-distributed-optimizer", action="store_true", default=None,
                    help="Shard optimizer states across data-parallel ranks (reduce-scatter gradients).")
+    g.add_argument("--distributed-timeout-minutes", type=_positive_minutes, default=None, metavar="MINUTES",
+                   help="How long a collective (and the ranks' start-up meeting) waits for a rank that does not "
+                        "answer (stopped, hung) before the job stops, naming that rank (default 10, Megatron-LM's; "
+                        "fractions allowed).")
     return parser
+
+
+def _positive_minutes(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text}")
+    return value

@@ -14,15 +14,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 
-def initialize(device: torch.device, seed: int) -> tuple[int, int]:
+def initialize(device: torch.device, seed: int, timeout: timedelta | None = None) -> tuple[int, int]:
     """Start torch.distributed (gloo on CPU, nccl on CUDA) and megatron's model-parallel state.
 
     Works with or without torchrun: a single process becomes rank 0 of a world of 1. Returns (rank, world).
+    ``timeout`` bounds every collective of the default group and of megatron's groups (None: torch's and
+    megatron's defaults, 30 minutes); past it a collective a rank never joins raises instead of waiting forever.
     """
     from megatron.core import parallel_state
 
@@ -38,15 +41,17 @@ def initialize(device: torch.device, seed: int) -> tuple[int, int]:
             # A world of one meets through a file: no port to pick, so none another process can take first.
             fd, path = tempfile.mkstemp(prefix="adacc-rendezvous-")
             os.close(fd)
-            torch.distributed.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
+            torch.distributed.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1,
+                                                 timeout=timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
-            torch.distributed.init_process_group(backend)
+            torch.distributed.init_process_group(backend, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+        minutes = {} if timeout is None else {"distributed_timeout_minutes": timeout.total_seconds() / 60}
+        parallel_state.initialize_model_parallel(**minutes)
     set_seed(seed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

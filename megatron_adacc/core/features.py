@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -81,12 +81,42 @@ def enabled(features: Iterable[Feature], args: Any) -> list[Feature]:
     return [f for f in features if f.is_enabled(args)]
 
 
+def conflict(a: Feature, b: Feature) -> str | None:
+    """Why ``a`` and ``b`` cannot run together (whichever of the two states it), or None when they can: the one
+    fact both the hosts' refusal (:func:`problems`) and the documented pair table (:func:`pairs`) read."""
+    return a.conflicts.get(b.name) or b.conflicts.get(a.name)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two features of a registry, and whether they run together."""
+
+    first: Feature
+    second: Feature
+    refusal: str | None
+    """The reason (and fix) the hosts refuse the pair with before building anything; None: it trains."""
+
+
+def pairs(features: Sequence[Feature]) -> list[Pair]:
+    """Every two of ``features``, in registry order, with its :func:`conflict`. Refuses a registry whose
+    conflicts name a feature it does not have, or state one pair twice (two reasons that could drift)."""
+    names = [f.name for f in features]
+    for f in features:
+        unknown = sorted(set(f.conflicts) - set(names))
+        if unknown:
+            raise ValueError(f"feature {f.name}: conflicts name {unknown}, which are not features ({names})")
+        twice = sorted(other for other in f.conflicts
+                       if f.name in features[names.index(other)].conflicts)
+        if twice:
+            raise ValueError(f"features {f.name} and {twice[0]} both state their conflict; keep one of the two")
+    return [Pair(a, b, conflict(a, b)) for i, a in enumerate(features) for b in features[i + 1:]]
+
+
 def problems(features: Iterable[Feature], args: Any) -> list[str]:
     """Every reason the enabled ``features`` cannot run with ``args``: pairwise conflicts, then each feature's
     own problems."""
     on = list(features)
-    names = {f.name for f in on}
-    found = [why for f in on for other, why in f.conflicts.items() if other in names]
+    found = [why for i, a in enumerate(on) for b in on[i + 1:] if (why := conflict(a, b))]
     for f in on:
         found.extend(f.problems(args))
     return found

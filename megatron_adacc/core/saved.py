@@ -4,7 +4,8 @@ packing dropout masks, falling back on tensors a codec refuses, and counting the
 :class:`SavedTensorStore` is the pack/unpack pair for ``torch.autograd.graph.saved_tensors_hooks``; Adacc's
 runtime (one layer forward under a policy), GACT's compressor and the saved-tensor meter specialise it.
 :func:`unique_storage_bytes` is the one way bytes are counted: by distinct storage, so views of one tensor,
-or a tensor saved twice, count once.
+or a tensor saved twice, count once. :data:`NONFINITE` counts, and reports as they happen, the tensors kept
+uncompressed because they held NaN/Inf.
 
 The mask packer and the compressor are hooks of the subclass rather than code here: core imports no other
 package of megatron-adacc, and the features pack masks with the codecs' compiled 1-bit kernel (Adacc also
@@ -13,6 +14,8 @@ routes CPU dropout's float multipliers through it), which a pure-torch copy here
 
 from __future__ import annotations
 
+import sys
+import time
 import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -20,7 +23,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CountedStorage", "SavedHandle", "SavedTensorStore", "storage_ptr", "tensor_key", "unique_storage_bytes"]
+__all__ = ["NONFINITE", "CountedStorage", "NonFiniteFallbacks", "SavedHandle", "SavedTensorStore", "storage_ptr",
+           "tensor_key", "unique_storage_bytes"]
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -53,6 +57,51 @@ def unique_storage_bytes(tensors: Iterable[Any], seen: set[int] | None = None) -
         seen.add(storage.data_ptr())
         total += nbytes
     return total
+
+
+class NonFiniteFallbacks:
+    """The process's count of floating tensors a codec refused for NaN/Inf, kept uncompressed instead, told as it
+    happens: one line on rank 0 at the first fallback of a step, naming where it happened and the count so far.
+    The run's summary gives the total only at the end, long after the step where the values went bad.
+
+    Rate-limited (a line per step at most, and one per :attr:`interval_s`): a model that saves an infinite value
+    on purpose (a -inf attention mask) would otherwise print at every micro-batch.
+    """
+
+    def __init__(self, interval_s: float = 30.0):
+        self.interval_s = interval_s
+        self.reset()
+
+    def reset(self) -> None:
+        """A new run: no fallbacks yet, no step begun, nothing told."""
+        self.total = 0
+        self.step: int | None = None
+        self._told: tuple[int | None, float] | None = None
+
+    def begin_step(self, step: int) -> None:
+        """The host's iteration, which the next line names (a host that never says has lines without one)."""
+        self.step = step
+
+    def note(self, where: str) -> None:
+        """One more tensor kept for NaN/Inf, at ``where`` (layer, op, shape: what the store knows)."""
+        self.total += 1
+        now = time.monotonic()
+        if self._told is not None and (self._told[0] == self.step or now - self._told[1] < self.interval_s):
+            return
+        self._told = (self.step, now)
+        if _rank() == 0:
+            at = "" if self.step is None else f"iteration {self.step}: "
+            print(f"[adacc] {at}NaN/Inf in a saved activation ({where}), kept uncompressed; {self.total} so far "
+                  f"this run (told at most once a step and every {self.interval_s:g} s)", file=sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+#: The process's :class:`NonFiniteFallbacks`: every :class:`SavedTensorStore` adds to it.
+NONFINITE = NonFiniteFallbacks()
 
 
 class SavedHandle:
@@ -95,6 +144,8 @@ class SavedTensorStore:
 
     fallback_errors: tuple[type[BaseException], ...] = ()
     """Exceptions of :meth:`compress` meaning "this tensor cannot be compressed, keep it as it is"."""
+    site: str = ""
+    """The part of the model the store serves (Adacc's runtime: one layer), for the line reporting a fallback."""
     weak_dedup: bool = True
     """Whether a stored copy serves a later tensor only while the first tensor is alive. Needed when tensors
     die during the store's life (their memory, and so their key, may be reused); a subclass that retires
@@ -172,10 +223,17 @@ class SavedTensorStore:
                 # Quantizing NaN/Inf would poison its whole group: keep the tensor exact (the loss scaler
                 # then sees the overflow, as it would without compression).
                 self.fallbacks += 1
+                NONFINITE.note(self.fallback_site(t, *context))
                 stored = None
         else:
             stored = None
         return t if stored is None else stored
+
+    def fallback_site(self, t: torch.Tensor, *context: Any) -> str:
+        """Where ``t``, kept for NaN/Inf, comes from: :attr:`site`, the op if the context names one, the tensor."""
+        op = next((c for c in context if isinstance(c, str)), None)
+        tensor = f"{str(t.dtype).removeprefix('torch.')} {'x'.join(map(str, t.shape)) or 'scalar'}"
+        return ", ".join(part for part in (self.site, op and f"op {op}", tensor) if part)
 
     def forget(self, ptr: int) -> None:
         """Retire every stored copy of storage ``ptr`` (it is being freed, and its address may be reused)."""

@@ -26,7 +26,7 @@ from megatron_adacc.core import host as core_host
 from megatron_adacc.core.devices import peak_memory_bytes, reset_peak_memory
 from megatron_adacc.core.errors import AdaccError, IntegrationError
 from megatron_adacc.core.extension import TrainingContext
-from megatron_adacc.core.saved import SavedTensorMeter
+from megatron_adacc.core.saved import NONFINITE, SavedTensorMeter
 from megatron_adacc.core.units import format_bytes
 from megatron_adacc.training import checkpoint, distributed
 from megatron_adacc.training import model as model_lib
@@ -85,7 +85,7 @@ def _set_up(args: SimpleNamespace) -> _Run:
         feature.preflight(args)
     model_lib.check_supported(args)
     device = distributed.resolve_device(args.device)
-    rank, world = distributed.initialize(device, args.seed)
+    rank, world = distributed.initialize(device, args.seed, _timeout(args))
     n_micro = num_microbatches(args, world)
     config = model_lib.transformer_config(args, device)
     extensions = core_features.build_extensions(enabled, args, config)
@@ -132,6 +132,7 @@ def _train_step(run: _Run, iteration: int, saved_bytes: list[int], interrupted: 
     whether any rank was interrupted (``interrupted`` here): the run ends after this step.
     Appends the bytes the first micro-batch saved for backward to ``saved_bytes``."""
     args, ddp, optimizer, n_micro = run.args, run.ddp, run.optimizer, run.n_micro
+    NONFINITE.begin_step(iteration)
     for ext in run.extensions:
         ext.on_step_begin(iteration)
     for group in optimizer.param_groups:
@@ -268,11 +269,22 @@ def _loop(run: _Run, bar, interrupt, losses: list[float], step_times: list[float
     return saved_at
 
 
+def _timeout(args: SimpleNamespace):
+    return distributed.timeout_of(getattr(args, "distributed_timeout_minutes", None))
+
+
 def train(args: SimpleNamespace, return_model: bool = False):
     """Run the training job described by ``args`` and return its summary (also written to --output-json).
 
     With ``return_model`` the result is ``(summary, model)``, for tests that inspect the trained weights.
+    A rank that stops answering ends it with :class:`~megatron_adacc.training.distributed.RankTimeout`.
     """
+    with distributed.naming_frozen_ranks(_timeout(args)):
+        return _train(args, return_model)
+
+
+def _train(args: SimpleNamespace, return_model: bool):
+    NONFINITE.reset()
     with core_host.running(TrainHost()):
         run = _set_up(args)
     model, extensions = run.model, run.extensions
@@ -337,6 +349,7 @@ def _summary(args, device, world, n_micro, losses, step_times, saved_bytes, exte
         "peak_memory_bytes": peak_memory_bytes(device),
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
         "saved_activation_bytes": saved,
+        "nonfinite_fallbacks": NONFINITE.total,
         "extensions": ext_reports,
     }
 
@@ -358,6 +371,8 @@ def _print_summary(s: dict) -> None:
         f"  validation loss {s['valid_loss']:.4f}" if s.get("valid_loss") is not None else "",
         f"  held for backward by saved activations (first micro-batch): "
         f"{format_bytes(s['saved_activation_bytes'])}",
+        f"  saved activations kept uncompressed for NaN/Inf: {s['nonfinite_fallbacks']}"
+        if s.get("nonfinite_fallbacks") else "",
     ]
     for name, report in s["extensions"].items():
         for key, value in report.items():

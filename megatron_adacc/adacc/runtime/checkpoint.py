@@ -340,6 +340,7 @@ class _Frame(SavedTensorStore):
 
     def __init__(self, layer: torch.nn.Module, decisions: Mapping[str, Any], ops: Sequence[LayerOp]):
         super().__init__(layer.parameters())
+        self.site = f"layer {getattr(layer, 'layer_number', '?')}"
         self.decisions = decisions
         self.ops = ops
         self.external: set[int] = set()
