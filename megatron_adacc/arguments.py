@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 
 from megatron_adacc import features
-from megatron_adacc.core.units import parse_bytes
+from megatron_adacc.core.units import checked, parse_bytes
 
 __all__ = ["add_adacc_args", "add_megatron_args", "parse_bytes"]
+
+_POSITIVE_MINUTES = checked(float, lambda m: m > 0, "a positive number of minutes")
+
 
 def add_adacc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron-adacc's own flags: every registered feature's (:data:`megatron_adacc.features.FEATURES`).
@@ -71,15 +74,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Start bucket gradient reduction during backward.")
     g.add_argument("--use-distributed-optimizer", action="store_true", default=None,
                    help="Shard optimizer states across data-parallel ranks (reduce-scatter gradients).")
-    g.add_argument("--distributed-timeout-minutes", type=_positive_minutes, default=None, metavar="MINUTES",
+    g.add_argument("--distributed-timeout-minutes", type=_POSITIVE_MINUTES, default=None, metavar="MINUTES",
                    help="How long a collective (and the ranks' start-up meeting) waits for a rank that does not "
                         "answer (stopped, hung) before the job stops, naming that rank (default 10, Megatron-LM's; "
                         "fractions allowed).")
     return parser
-
-
-def _positive_minutes(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text}")
-    return value

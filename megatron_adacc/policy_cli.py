@@ -10,21 +10,17 @@ import argparse
 import json
 import sys
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import torch
-
-from megatron_adacc.adacc.policy.io import load_policy, save_policy
-from megatron_adacc.adacc.policy.ops import OP_NAMES
-from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy
-from megatron_adacc.adacc.policy.profile import LayerProfile, analytic_profile
-from megatron_adacc.adacc.policy.profile_db import ProfileDB
-from megatron_adacc.adacc.policy.signature import model_signature
-from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
-from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, paper
+from megatron_adacc.core.errors import ArgumentParser, UsageError, refusal_boundary
 from megatron_adacc.core.units import format_bytes, parse_positive_bytes
-from megatron_adacc.training import distributed
-from megatron_adacc.training import model as model_lib
 from megatron_adacc.training.args import add_train_args, parse_train_args
+
+# The policy code (and torch under it) is imported by the functions that use it, after the command line is
+# parsed: a refused command line answers at once. The Megatron glue is imported later still (see cmd_profile).
+if TYPE_CHECKING:
+    from megatron_adacc.adacc.policy.policy import Policy
+    from megatron_adacc.adacc.policy.profile import LayerProfile
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -37,7 +33,7 @@ def _fmt_ms(s: float | None) -> str:
 
 # ------------------------------------------------------------------------------------------ parsers
 def _model_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    return add_train_args(argparse.ArgumentParser(prog=prog, description=description))
+    return add_train_args(ArgumentParser(prog=prog, description=description))
 
 
 def _add_profile_flags(p: argparse.ArgumentParser) -> None:
@@ -70,30 +66,36 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> SimpleNamespace:
 
 
 def main(argv: list[str]) -> int:
-    """``adacc profile|solve|show ...`` (``argv[0]`` is the command)."""
+    """``adacc profile|solve|show ...`` (``argv[0]`` is the command) behind the ``adacc`` command's error
+    boundary: a refusal is one line on stderr and exit status 2."""
+    return refusal_boundary(run, argv)
+
+
+def run(argv: list[str]) -> int:
+    """:func:`main` without the boundary: refusals propagate as exceptions (``adacc`` calls this)."""
     command, rest = argv[0], argv[1:]
-    try:
-        if command == "show":
-            p = argparse.ArgumentParser(prog="adacc show", description="Print a policy file as a per-op table.")
-            _add_show_flags(p)
-            return cmd_show(p.parse_args(rest))
-        if command == "profile":
-            p = _model_parser("adacc profile", "Profile one transformer layer of the configured model.")
-            _add_profile_flags(p)
-            return cmd_profile(_parse(p, rest))
-        if command == "solve":
-            p = _model_parser("adacc solve", "Solve Adacc's MILP for a memory budget and write a policy file.")
-            _add_solve_flags(p)
-            return cmd_solve(_parse(p, rest))
-    except InfeasibleBudgetError as e:
-        print(f"adacc {command}: {e}", file=sys.stderr)
-        return 2
-    print(f"adacc: unknown policy command {command!r}", file=sys.stderr)
-    return 2
+    if command == "show":
+        p = ArgumentParser(prog="adacc show", description="Print a policy file as a per-op table.")
+        _add_show_flags(p)
+        return cmd_show(p.parse_args(rest))
+    if command == "profile":
+        p = _model_parser("adacc profile", "Profile one transformer layer of the configured model.")
+        _add_profile_flags(p)
+        return cmd_profile(_parse(p, rest))
+    if command == "solve":
+        p = _model_parser("adacc solve", "Solve Adacc's MILP for a memory budget and write a policy file.")
+        _add_solve_flags(p)
+        return cmd_solve(_parse(p, rest))
+    raise UsageError(f"unknown policy command {command!r}; the policy commands are profile, solve and show")
 
 
 # ------------------------------------------------------------------------------------------ commands
 def _config(args: SimpleNamespace):
+    import torch
+
+    from megatron_adacc.training import distributed
+    from megatron_adacc.training import model as model_lib
+
     device = distributed.resolve_device(getattr(args, "device", "auto"))
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -103,7 +105,11 @@ def _config(args: SimpleNamespace):
 def cmd_profile(args: SimpleNamespace) -> int:
     # The Megatron glue (integration, the runtime, megatron-core) is imported by the commands that use it, so
     # that `adacc show` and `--help` do not load it.
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+
+    ProfileDB(getattr(args, "adacc_profile_db", None))  # a database that cannot be used stops us before Megatron
     from megatron_adacc.adacc.integration.auto import get_or_make_profile
+    from megatron_adacc.training import distributed
 
     device, config = _config(args)
     distributed.initialize(device, getattr(args, "seed", 1234))
@@ -114,6 +120,14 @@ def cmd_profile(args: SimpleNamespace) -> int:
 
 
 def cmd_solve(args: SimpleNamespace) -> int:
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.profile import analytic_profile
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+    from megatron_adacc.adacc.policy.signature import model_signature
+    from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
+
+    if not args.analytic:
+        ProfileDB(getattr(args, "adacc_profile_db", None))  # as in cmd_profile
     from megatron_adacc.adacc.integration.profiler import device_memory_bytes  # lazy: see cmd_profile
 
     device, config = _config(args)
@@ -123,6 +137,7 @@ def cmd_solve(args: SimpleNamespace) -> int:
         profile, ref = analytic_profile(model_signature(config, args)), None
     else:
         from megatron_adacc.adacc.integration.auto import get_or_make_profile
+        from megatron_adacc.training import distributed
 
         distributed.initialize(device, getattr(args, "seed", 1234))
         profile, ref = get_or_make_profile(args, config, log=lambda m: print(m, file=sys.stderr))
@@ -134,6 +149,9 @@ def cmd_solve(args: SimpleNamespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from megatron_adacc.adacc.policy.io import load_policy
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+
     policy = load_policy(args.policy)
     profile = ProfileDB.referenced(policy.profile)  # a policy file names what to read, never where to write
     print(render_policy(policy, profile, all_layers=getattr(args, "all_layers", False)))
@@ -176,6 +194,8 @@ def _groups(policy: Policy, all_layers: bool) -> list[tuple[str, int]]:
 
 
 def render_policy(policy: Policy, profile: LayerProfile | None = None, *, all_layers: bool = False) -> str:
+    from megatron_adacc.adacc.policy.ops import OP_NAMES
+
     parts = [f"policy {policy.name or '-'}: {policy.num_layers} layers, budget {_fmt_bytes(policy.budget_bytes)}, "
              f"solver {policy.solver.get('strategy', '-')} ({policy.solver.get('status', '-')})"]
     for label, first in _groups(policy, all_layers):
@@ -199,21 +219,32 @@ def render_policy(policy: Policy, profile: LayerProfile | None = None, *, all_la
     pred = policy.predicted
     peers: list[list[str]] = [["this policy", _fmt_bytes(pred.get("memory_bytes")), _fmt_ms(pred.get("time_s"))]]
     if profile is not None:
-        chain = bool(policy.solver.get("chain_aware", True))
-        for name in PRESET_NAMES:
-            try:
-                ev = evaluate_policy(profile, Policy.preset(name, policy.num_layers), chain_aware=chain)
-                peers.append([name, _fmt_bytes(ev["memory_bytes"]), _fmt_ms(ev["time_s"])])
-            except ValueError:
-                pass
-        if policy.budget_bytes is not None:
-            try:
-                problem = make_problem(profile, policy.budget_bytes, SolveOptions(), num_layers=policy.num_layers)
-                res = paper.solve(problem)
-                peers.append(["paper MILP (eq. 4-8)", _fmt_bytes(res.predicted_memory_bytes),
-                              _fmt_ms(res.predicted_time_s)])
-            except InfeasibleBudgetError:
-                peers.append(["paper MILP (eq. 4-8)", "infeasible", "-"])
+        peers += _peers(policy, profile)
     parts.append("\npredicted per micro-batch (memory incl. static; time = overhead over keeping everything)\n"
                  + _table(peers, ["policy", "memory", "time"]))
     return "\n".join(parts)
+
+
+def _peers(policy: Policy, profile: LayerProfile) -> list[list[str]]:
+    """The presets' and the paper MILP's predictions for the same profile, beside the policy's."""
+    from megatron_adacc.adacc.policy.policy import PRESET_NAMES, Policy
+    from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem
+    from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, paper
+
+    peers = []
+    chain = bool(policy.solver.get("chain_aware", True))
+    for name in PRESET_NAMES:
+        try:
+            ev = evaluate_policy(profile, Policy.preset(name, policy.num_layers), chain_aware=chain)
+            peers.append([name, _fmt_bytes(ev["memory_bytes"]), _fmt_ms(ev["time_s"])])
+        except ValueError:
+            pass
+    if policy.budget_bytes is not None:
+        try:
+            problem = make_problem(profile, policy.budget_bytes, SolveOptions(), num_layers=policy.num_layers)
+            res = paper.solve(problem)
+            peers.append(["paper MILP (eq. 4-8)", _fmt_bytes(res.predicted_memory_bytes),
+                          _fmt_ms(res.predicted_time_s)])
+        except InfeasibleBudgetError:
+            peers.append(["paper MILP (eq. 4-8)", "infeasible", "-"])
+    return peers

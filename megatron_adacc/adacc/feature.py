@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_adacc.core.errors import InputNotFound
 from megatron_adacc.core.features import Feature, require, saved_tensor_hook_problems
-from megatron_adacc.core.units import parse_positive_bytes
+from megatron_adacc.core.units import checked, parse_positive_bytes, positive_int
 
 #: ``--adacc-policy`` values that are not files. ``keep``, ``recompute`` and ``quantize-all`` are
 #: :data:`megatron_adacc.adacc.policy.policy.PRESET_NAMES`; ``none`` and ``auto`` are the feature's own.
@@ -44,6 +44,15 @@ def _outlier_z(text: str) -> float:
     return value
 
 
+_HEADROOM = checked(float, lambda f: 0 <= f < 1, "a fraction in [0, 1)")
+
+
+def _path(text: str) -> str:
+    if not text.strip():  # an empty path would fall back to the default database without a word
+        raise argparse.ArgumentTypeError("expected a path, got an empty one")
+    return text
+
+
 def _codec_family(text: str) -> str:
     from megatron_adacc.adacc.policy.ops import CODEC_FAMILIES
 
@@ -63,7 +72,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adacc-memory-budget", type=parse_positive_bytes, default=None, metavar="BYTES",
                    help="Memory budget for --adacc-policy auto (e.g. 30GiB). Default: the device's memory "
                         "(CUDA: total memory of the current GPU; CPU: available RAM).")
-    g.add_argument("--adacc-memory-headroom", type=float, default=0.01, metavar="FRACTION",
+    g.add_argument("--adacc-memory-headroom", type=_HEADROOM, default=0.01, metavar="FRACTION",
                    help="Fraction of the budget the solver leaves free for what its cost model does not see "
                         "(allocator fragmentation, run-to-run variation of the peak). Default 0.01.")
     g.add_argument("--adacc-process-baseline", dest="adacc_process_baseline_bytes", type=parse_positive_bytes,
@@ -72,13 +81,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "libraries, allocator and framework buffers; peak RSS is the budget there). Default "
                         "on CPU: the resident size measured before solving, which misses buffers created "
                         "later; benchmarks set it from a measured keep-all run.")
-    g.add_argument("--adacc-profile-db", default=None, metavar="PATH",
+    g.add_argument("--adacc-profile-db", type=_path, default=None, metavar="PATH",
                    help="SQLite database of profiled op costs, reused across runs. Default: "
                         "$ADACC_PROFILE_DB or ~/.cache/megatron-adacc/profile.sqlite.")
     g.add_argument("--adacc-no-evolution", action="store_true",
                    help="Turn off adaptive policy evolution (exponential-backoff re-solving as outlier "
                         "statistics drift). For ablations.")
-    g.add_argument("--adacc-evolution-cap", type=int, default=1024, metavar="ITERS",
+    g.add_argument("--adacc-evolution-cap", type=positive_int, default=1024, metavar="ITERS",
                    help="Longest interval between two tracking iterations of policy evolution.")
     g.add_argument("--adacc-outlier-z", type=_outlier_z, default=3.0, metavar="Z",
                    help="Z-score threshold that separates outlier channels in outlier-separated INT4.")

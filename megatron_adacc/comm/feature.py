@@ -7,16 +7,16 @@ from typing import Any
 
 from megatron_adacc.comm.options import COMPRESSORS, DEFAULTS, SCHEMES
 from megatron_adacc.core.features import Feature, require
+from megatron_adacc.core.units import checked, positive_int
 
 #: The flag's "off"; the memory called ``none`` (compression without error feedback) has no flag value.
 OFF = "off"
 
 
-def _density(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"--grad-compress-density must be in (0, 1], got {text}")
-    return value
+# Checked when parsed, so that a value the compressors would refuse deep in set-up is refused by its flag.
+_LEVELS = checked(int, lambda s: 1 <= s <= 127, "levels in [1, 127] (int8 payload)")
+_WEIGHT = checked(float, lambda p: 0 <= p <= 1, "a weight in [0, 1]")
+_FRACTION = checked(float, lambda r: 0 < r <= 1, "a fraction in (0, 1]")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -27,15 +27,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "d / 2d (residuals of specific layers compressed by rows / rows and columns), w+2d.")
     g.add_argument("--grad-compressor", choices=tuple(c for c in COMPRESSORS if c != "none"),
                    default=DEFAULTS.compressor, help="Gradient compressor used when --resireduce is not off.")
-    g.add_argument("--grad-compress-density", type=_density, default=DEFAULTS.density, metavar="FRACTION",
+    g.add_argument("--grad-compress-density", type=_FRACTION, default=DEFAULTS.density, metavar="FRACTION",
                    help="Fraction of gradient entries sent by topk / dgc.")
-    g.add_argument("--qsgd-levels", type=int, default=DEFAULTS.qsgd_levels, metavar="S",
+    g.add_argument("--qsgd-levels", type=_LEVELS, default=DEFAULTS.qsgd_levels, metavar="S",
                    help="Quantization levels of the qsgd compressor.")
-    g.add_argument("--resireduce-group-size", type=int, default=DEFAULTS.group_size, metavar="N",
+    g.add_argument("--resireduce-group-size", type=positive_int, default=DEFAULTS.group_size, metavar="N",
                    help="Largest number of adjacent similar layers that share one residual (schemes a, w).")
-    g.add_argument("--resireduce-phi", type=float, default=DEFAULTS.phi, metavar="PHI",
+    g.add_argument("--resireduce-phi", type=_WEIGHT, default=DEFAULTS.phi, metavar="PHI",
                    help="Weight of the L1 term in ResiReduce-w's layer weights (L2 gets 1 - PHI).")
-    g.add_argument("--resireduce-ratio", type=float, default=DEFAULTS.ratio, metavar="FRACTION",
+    g.add_argument("--resireduce-ratio", type=_FRACTION, default=DEFAULTS.ratio, metavar="FRACTION",
                    help="Fraction of rows (and columns) of a specific layer's residual kept by d / 2d.")
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
+from collections.abc import Callable
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -31,6 +33,24 @@ def parse_positive_bytes(text: str | int) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is {n} bytes; a size here must be positive, e.g. 12GiB")
     return n
+
+
+def checked(convert: Callable[[str], float], ok: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    """A flag's ``type``: ``convert`` the text, then refuse a value that is NaN, infinite or not ``ok`` with
+    "expected {expected}". At parse time the refusal names the flag, which the code that would otherwise take
+    the value (a constructor, deep in model set-up) cannot."""
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
+
+
+positive_int = checked(int, lambda n: n >= 1, "a positive integer")
 
 
 def format_bytes(n: float | int | None, digits: int = 1) -> str:

@@ -6,10 +6,14 @@ import argparse
 from typing import Any
 
 from megatron_adacc.core.features import Feature, require, saved_tensor_hook_problems
+from megatron_adacc.core.units import checked, positive_int
+from megatron_adacc.gact.allocation import BIT_LEVELS, KEEP_BITS
 from megatron_adacc.gact.levels import Level
 
 #: ``--gact-level`` values, lowest first.
 LEVELS = tuple(level.value for level in Level)
+_AVERAGE_BITS = checked(float, lambda b: min(BIT_LEVELS) <= b <= KEEP_BITS,
+                        f"average bits in [{min(BIT_LEVELS)}, {KEEP_BITS}]")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -18,14 +22,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="GACT optimization level: L0 off, L1 adaptive bits, L2 L1 + swap to pinned CPU memory, "
                         "CB1 L1 + full recompute of compressed layer inputs, CB2 CB1 + memory-efficient "
                         "attention.")
-    g.add_argument("--gact-bits", type=float, default=4.0, metavar="BITS",
+    g.add_argument("--gact-bits", type=_AVERAGE_BITS, default=4.0, metavar="BITS",
                    help="Average bits per activation value for adaptive allocation.")
     g.add_argument("--gact-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="Adaptive per-tensor bits from sensitivity probes (--no-gact-adaptive: every tensor "
                         "at --gact-bits).")
-    g.add_argument("--gact-adapt-interval", type=int, default=1000, metavar="ITERS",
+    g.add_argument("--gact-adapt-interval", type=positive_int, default=1000, metavar="ITERS",
                    help="Re-estimate sensitivities and bit widths every ITERS iterations.")
-    g.add_argument("--gact-group-size", type=int, default=256, metavar="N",
+    g.add_argument("--gact-group-size", type=positive_int, default=256, metavar="N",
                    help="Values per quantization group.")
 
 

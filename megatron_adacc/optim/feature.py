@@ -7,6 +7,9 @@ from typing import Any
 
 from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.core.features import Feature, require
+from megatron_adacc.core.units import checked
+
+_POSITIVE_NORM = checked(float, lambda c: c > 0, "a positive norm")  # AdamA's own check, at parse time
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +18,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="Fold each micro-batch's gradients into Adam's moments during backward and free them "
                         "(no persistent gradient buffer). Global --clip-grad cannot apply (the mini-batch gradient "
                         "never exists); a --clip-grad that only comes from --config is turned off.")
-    g.add_argument("--adama-clip-grad-per-tensor", type=float, default=None, metavar="C",
+    g.add_argument("--adama-clip-grad-per-tensor", type=_POSITIVE_NORM, default=None, metavar="C",
                    help="With --adama: clip each parameter's micro-batch gradient to norm C (default: no clipping).")
 
 

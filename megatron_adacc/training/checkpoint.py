@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,20 @@ def _differences(saved: dict[str, Any], ident: dict[str, Any]) -> list[str]:
     return found
 
 
+#: The manifest's fields the checks read, and their JSON types.
+_MANIFEST_TYPES = {"iteration": int, "sha256": str, "optimizer": str, "features": list, "model": dict}
+
+
+def _malformed(manifest: dict[str, Any]) -> str | None:
+    """The first field of ``manifest`` the checks could not read (a hand-edited or damaged manifest)."""
+    for name, kind in _MANIFEST_TYPES.items():
+        if not isinstance(manifest.get(name), kind) or isinstance(manifest.get(name), bool):
+            return name
+    if not all(isinstance(f, str) for f in manifest["features"]):
+        return "features"
+    return None
+
+
 def load(directory: str | os.PathLike, rank: int, ident: dict[str, Any]) -> dict[str, Any]:
     """The checked state of ``rank`` (see the module docstring), or a :class:`CheckpointError` naming the
     problem and the fix."""
@@ -132,6 +147,8 @@ def load(directory: str | os.PathLike, rank: int, ident: dict[str, Any]) -> dict
     where = f"--load {directory}"
     if not state_path.exists():
         raise InputNotFound(f"{where}: no checkpoint {state_path.name} for rank {rank} there")
+    if not state_path.is_file():
+        raise CheckpointError(f"{where}: {state_path.name} is not a file; name a folder `adacc train --save` wrote")
     try:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
@@ -142,6 +159,10 @@ def load(directory: str | os.PathLike, rank: int, ident: dict[str, Any]) -> dict
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else "?"
         raise CheckpointError(f"{where}: manifest format {found}, this version reads format {FORMAT}")
+    malformed = _malformed(manifest)
+    if malformed:
+        raise CheckpointError(f"{where}: {manifest_path.name}: field {malformed!r} is not what adacc train writes "
+                              "(edited or damaged); load another checkpoint")
     if _sha256(state_path) != manifest.get("sha256"):
         raise CheckpointError(f"{where}: {state_path.name} does not match its manifest's checksum (damaged, or "
                               "its save was interrupted); load an earlier checkpoint")
@@ -149,7 +170,9 @@ def load(directory: str | os.PathLike, rank: int, ident: dict[str, Any]) -> dict
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
     try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a pickle it is about to refuse; the refusal says it
+            warnings.simplefilter("ignore")
+            state = torch.load(state_path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{where}: {state_path.name} cannot be read safely ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0]})") from None

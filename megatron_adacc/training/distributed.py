@@ -32,6 +32,8 @@ _TIMED_OUT = "adacc/timed-out/"
 class RankTimeout(AdaccError, RuntimeError):
     """A collective waited past ``--distributed-timeout-minutes``: some rank stopped answering."""
 
+    every_rank = True  # rank 0 may be the one that stopped
+
 
 def timeout_of(minutes: float | None) -> timedelta:
     """``--distributed-timeout-minutes`` as the process group takes it."""

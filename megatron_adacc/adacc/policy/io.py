@@ -182,8 +182,8 @@ def _policy_from_json(obj: Any) -> Policy:
     for k, v in predicted.items():
         if k == "per_layer":
             continue
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise PolicySchemaError(f"predicted.{k}", f"must be a number or null, got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise PolicySchemaError(f"predicted.{k}", f"must be a finite number or null, got {v!r}")
     solver = _require(obj, "solver", "", dict) if "solver" in obj else {}
     profile = _require(obj, "profile", "", dict, nullable=True) if "profile" in obj else None
     return Policy(layers=layers, signature=sig, budget_bytes=budget, predicted=predicted, solver=solver,
@@ -194,8 +194,8 @@ def load_policy(path: str | os.PathLike, *, signature: dict[str, Any] | None = N
     """Read and validate a policy file; with ``signature``, refuse a policy made for another model."""
     path = Path(path)
     if not path.is_file():
-        raise InputNotFound(f"policy file {str(path)!r} does not exist (make one with `adacc solve`, or "
-                                "use --adacc-policy auto|keep|recompute|quantize-all)")
+        raise InputNotFound(f"policy file {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'} "
+                            "(make one with `adacc solve`, or use --adacc-policy auto|keep|recompute|quantize-all)")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -209,6 +209,6 @@ def load_policy(path: str | os.PathLike, *, signature: dict[str, Any] | None = N
     if signature is not None:
         check_signature(f"policy {path}", policy.signature, signature)
         if policy.signature is None and policy.num_layers != signature.get("num_layers"):
-            raise ValueError(f"policy {path} has {policy.num_layers} layers but the model has "
-                             f"{signature.get('num_layers')}")
+            raise PolicySchemaError("layers", f"has {policy.num_layers} layers but the model has "
+                                    f"{signature.get('num_layers')} (--num-layers)", str(path))
     return policy

@@ -62,7 +62,11 @@ class ProfileDB:
         if self.path.is_dir():
             raise ProfileDBError(f"the profile database {self.path} is a folder; name a file with "
                                  f"--adacc-profile-db or ${ENV_VAR}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a folder of the path should be
+            raise ProfileDBError(f"the profile database {self.path} cannot be created ({e.strerror}: "
+                                 f"{e.filename}); name another with --adacc-profile-db or ${ENV_VAR}") from None
         try:
             with closing(self._connect()) as con, con:
                 con.executescript(_SCHEMA)
