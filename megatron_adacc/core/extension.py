@@ -43,6 +43,11 @@ class TrainingExtension:
     """Base class: override the hooks a feature needs."""
 
     name: str = "extension"
+    state_optional: bool = False
+    """Whether a checkpoint may be resumed with this extension added or dropped: its state starts afresh when
+    the checkpoint has none, and is not needed when the run has no such extension. True for extensions that
+    change how activations are held, never what the model or optimizer hold (Adacc's policy and its
+    evolution): a model pretrained stock can go on under Adacc, to fit a larger micro-batch."""
 
     def wrap_model(self, chunks: list, wrap: Callable[[list], list], ddp_config: Any = None) -> list:
         """The model chunks as they will be trained. ``wrap`` is the host's choice (Megatron's DDP, or the

@@ -64,8 +64,10 @@ def model_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 
 def identity(model: torch.nn.Module, optimizer: Any, extensions: list[Any]) -> dict[str, Any]:
     """What a checkpoint must match to be loaded into this run."""
+    names = {getattr(e, "name", type(e).__name__): getattr(e, "state_optional", False) for e in extensions}
     return {"model": model_shapes(model), "optimizer": type(optimizer).__name__,
-            "features": sorted(getattr(e, "name", type(e).__name__) for e in extensions)}
+            "features": sorted(n for n, optional in names.items() if not optional),
+            "optional_features": sorted(n for n, optional in names.items() if optional)}
 
 
 def rng_states(device: torch.device) -> dict[str, Any]:
@@ -110,11 +112,15 @@ def _version() -> str:
 
 def _differences(saved: dict[str, Any], ident: dict[str, Any]) -> list[str]:
     found = []
-    if saved.get("optimizer") != ident["optimizer"] or saved.get("features") != ident["features"]:
+    # Extensions whose state is optional (core.extension.TrainingExtension.state_optional) may differ; a
+    # manifest written before that distinction lists them among its features.
+    optional = set(saved.get("optional_features") or []) | set(ident.get("optional_features") or [])
+    features = [f for f in saved.get("features") or [] if f not in optional]
+    if saved.get("optimizer") != ident["optimizer"] or features != ident["features"]:
         found.append(f"it was saved with optimizer {saved.get('optimizer')} and features "
-                     f"{', '.join(saved.get('features') or []) or 'none'}; this run has {ident['optimizer']} and "
-                     f"{', '.join(ident['features']) or 'none'} (use the same --adama / --adacc-policy / "
-                     "--resireduce / --gact-level)")
+                     f"{', '.join(features) or 'none'}; this run has {ident['optimizer']} and "
+                     f"{', '.join(ident['features']) or 'none'} (use the same --adama / --resireduce / --gact-level; "
+                     "--adacc-policy may change between runs)")
     mine, theirs = ident["model"], saved.get("model") or {}
     if mine != theirs:
         missing = sorted(set(mine) - set(theirs))
@@ -137,6 +143,9 @@ def _malformed(manifest: dict[str, Any]) -> str | None:
             return name
     if not all(isinstance(f, str) for f in manifest["features"]):
         return "features"
+    optional = manifest.get("optional_features", [])
+    if not isinstance(optional, list) or not all(isinstance(f, str) for f in optional):
+        return "optional_features"
     return None
 
 

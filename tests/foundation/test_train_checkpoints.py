@@ -33,6 +33,19 @@ def test_resume_with_dropout_on_is_bit_exact(tmp_path, flags):
     assert resumed["losses"] == straight["losses"][2:]
 
 
+def test_a_stock_checkpoint_goes_on_under_adacc_and_back(tmp_path):
+    """Adacc changes how activations are held, never the model's or the optimizer's state: a model pretrained
+    stock goes on under a policy (keep-everything: bit for bit what stock would have done), and back."""
+    straight = train(parse_train_args(SMALL + ["--train-iters", "6"]))
+    train(parse_train_args(SMALL + ["--train-iters", "2", "--save", str(tmp_path / "stock")]))
+    under = train(parse_train_args(SMALL + ["--adacc-policy", "keep", "--train-iters", "4", "--load",
+                                            str(tmp_path / "stock"), "--save", str(tmp_path / "adacc")]))
+    back = train(parse_train_args(SMALL + ["--train-iters", "6", "--load", str(tmp_path / "adacc")]))
+    assert under["losses"] + back["losses"] == straight["losses"][2:]
+    manifest = json.loads((tmp_path / "adacc" / "rank00000.json").read_text())
+    assert manifest["features"] == [] and manifest["optional_features"] == ["adacc"]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("ckpt")

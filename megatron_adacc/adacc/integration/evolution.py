@@ -177,6 +177,7 @@ class PolicyEvolution(TrainingExtension):
     min_gain: float = 0.02
     log: Callable[[str], None] = _default_log
     name: str = "adacc_evolution"
+    state_optional = True  # evolution starts from the run's own profile and policy
 
     def __post_init__(self) -> None:
         if self.source is None:

@@ -24,6 +24,7 @@ class AdaccExtension(TrainingExtension):
     """Runs the model's layers under an Adacc policy and reports measured vs predicted memory."""
 
     name = "adacc"
+    state_optional = True
 
     def __init__(self, policy: Any, config: Any, predict_memory: bool = True, budget_bytes: int | None = None,
                  trace_backward: bool = False):
