@@ -62,7 +62,7 @@ def _add_show_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> SimpleNamespace:
-    return parse_train_args(argv, parser)
+    return parse_train_args(argv, parser, feature_flags_need_feature=False)
 
 
 def main(argv: list[str]) -> int:

@@ -122,6 +122,21 @@ def problems(features: Iterable[Feature], args: Any) -> list[str]:
     return found
 
 
+def idle_flags(features: Iterable[Feature], args: Any, argv: Iterable[str]) -> list[str]:
+    """The flags on the command line ``argv`` of features that ``args`` leaves off, one line each: they would
+    do nothing, and a user who wrote ``--gact-bits 2`` without ``--gact-level`` believes GACT is on."""
+    given = [a.split("=")[0] for a in argv if a.startswith("--")]
+    found = []
+    for f in features:
+        if f.is_enabled(args):
+            continue
+        idle = [flag for flag in given if flag != f.flag and flag.startswith(f.flag_prefixes)]
+        if idle:
+            found.append(f"{', '.join(dict.fromkeys(idle))} configure{'s' if len(idle) == 1 else ''} {f.name}, "
+                         f"which is off: turn it on with {f.flag}, or drop {'it' if len(idle) == 1 else 'them'}")
+    return found
+
+
 def check(features: Iterable[Feature], args: Any, extra: Iterable[str] = ()) -> None:
     """Raise :class:`IntegrationError` listing every problem (``extra``: the host's own) at once."""
     found = [*extra, *problems(features, args)]

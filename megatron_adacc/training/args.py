@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from megatron_adacc import features
 from megatron_adacc.arguments import add_adacc_args, add_megatron_args
 from megatron_adacc.core import config_files
+from megatron_adacc.core import features as core_features
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
 from megatron_adacc.training.corpus import CORPORA
 
@@ -112,9 +114,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
-                     ) -> SimpleNamespace:
-    """Parse `adacc train` flags: config-file values first, command-line values over them."""
+def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None, *,
+                     feature_flags_need_feature: bool = True) -> SimpleNamespace:
+    """Parse `adacc train` flags: config-file values first, command-line values over them. A flag of a feature
+    the command line leaves off is refused (:func:`~megatron_adacc.core.features.idle_flags`), except for the
+    policy tools (``feature_flags_need_feature=False``), which read Adacc's flags without training under it."""
     parser = parser or add_train_args(argparse.ArgumentParser(prog="adacc train"))
     first, _ = parser.parse_known_args(argv)
     parser.set_defaults(**load_config(first.config, parser))
@@ -122,7 +126,7 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     explicit = set(argv if argv is not None else sys.argv[1:])
     if args.adama and args.clip_grad and "--clip-grad" not in explicit:
         args.clip_grad = 0.0  # the config's global clipping cannot apply to AdamA; an explicit flag is refused
-    _check_shapes(args)
+    _check_shapes(args, (argv if argv is not None else sys.argv[1:]) if feature_flags_need_feature else [])
     return SimpleNamespace(**vars(args))
 
 
@@ -142,7 +146,7 @@ _RANGES = {"lr": _NON_NEGATIVE, "min_lr": _NON_NEGATIVE, "weight_decay": _NON_NE
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
-def _check_shapes(args: argparse.Namespace) -> None:
+def _check_shapes(args: argparse.Namespace, argv: list[str]) -> None:
     """Refuse, before anything is built, shapes and values Megatron would build wrong or fail on deep inside,
     and outputs that could not be written at the end."""
     found = [f"--{name.replace('_', '-')} {getattr(args, name)} must be a positive integer" for name in _POSITIVE
@@ -151,7 +155,7 @@ def _check_shapes(args: argparse.Namespace) -> None:
     if not found and heads and hidden and hidden % heads:
         found.append(f"--hidden-size {hidden} is not a multiple of --num-attention-heads {heads} (each head gets "
                      f"hidden/heads channels); e.g. --num-attention-heads {_a_divisor(hidden, heads)}")
-    found += _range_problems(args) + _path_problems(args)
+    found += _range_problems(args) + _path_problems(args) + core_features.idle_flags(features.FEATURES, args, argv)
     if found:
         raise IntegrationError("; ".join(found))
 

@@ -54,3 +54,21 @@ def test_a_missing_policy_file_is_one_line_and_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("adacc: --adacc-policy") and "make one with `adacc solve`" in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--gact-bits", "2"], "--gact-bits configures gact, which is off: turn it on with --gact-level"),
+    (["--adacc-memory-budget", "1GiB", "--adacc-outlier-z=2"],
+     "--adacc-memory-budget, --adacc-outlier-z configure adacc, which is off: turn it on with --adacc-policy"),
+    (["--resireduce-ratio", "0.1"], "--resireduce-ratio configures resireduce"),
+])
+def test_a_flag_of_a_feature_left_off_is_refused(flags, named):
+    """It would do nothing, and whoever wrote it believes the feature is on."""
+    with pytest.raises(AdaccError, match=named):
+        parse_train_args(SMALL + flags)
+    parse_train_args(SMALL + flags, feature_flags_need_feature=False)  # the policy tools read Adacc's flags
+
+
+def test_a_feature_on_takes_its_flags():
+    args = parse_train_args(SMALL + ["--gact-level", "L1", "--gact-bits", "2", "--adacc-policy", "none"])
+    assert args.gact_bits == 2
