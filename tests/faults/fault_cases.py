@@ -301,6 +301,8 @@ def flag_cases() -> list[Case]:
         ("gact-bits-64", ("--gact-level", "L2", "--gact-bits", "64"), "--gact-bits", False),
         ("gact-interval-zero", ("--gact-level", "L2", "--gact-adapt-interval", "0"), "--gact-adapt-interval", False),
         ("gact-group-zero", ("--gact-level", "L2", "--gact-group-size", "0"), "--gact-group-size", False),
+        ("gact-flag-with-gact-off", ("--gact-bits", "2"), "--gact-bits", False),
+        ("adacc-flag-with-adacc-off", ("--adacc-memory-budget", "1GiB"), "--adacc-memory-budget", False),
         ("adama-per-tensor-negative", ("--adama", "--clip-grad", "0", "--adama-clip-grad-per-tensor", "-1"),
          "--adama-clip-grad-per-tensor", False),
     ]
