@@ -21,10 +21,9 @@ import heapq
 import math
 from collections.abc import Sequence
 
-BIT_LEVELS: tuple[int, ...] = (1, 2, 4, 8, 32)
-"""The bit widths GACT chooses from; 32 means "keep the tensor uncompressed"."""
+from megatron_adacc.gact.levels import BIT_LEVELS, KEEP_BITS
 
-KEEP_BITS = 32
+__all__ = ["BIT_LEVELS", "KEEP_BITS", "allocate_bits", "predicted_variance", "variance_factor"]
 
 
 def variance_factor(bits: int) -> float:

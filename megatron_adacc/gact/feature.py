@@ -7,8 +7,7 @@ from typing import Any
 
 from megatron_adacc.core.features import Feature, require, saved_tensor_hook_problems
 from megatron_adacc.core.units import checked, positive_int
-from megatron_adacc.gact.allocation import BIT_LEVELS, KEEP_BITS
-from megatron_adacc.gact.levels import Level
+from megatron_adacc.gact.levels import BIT_LEVELS, KEEP_BITS, Level
 
 #: ``--gact-level`` values, lowest first.
 LEVELS = tuple(level.value for level in Level)

@@ -1,8 +1,14 @@
-"""GACT's optimization levels (Table 1 of the paper)."""
+"""GACT's optimization levels (Table 1 of the paper) and bit widths: the names its flags offer, light enough for the
+feature's registry entry to import."""
 
 from __future__ import annotations
 
 import enum
+
+BIT_LEVELS: tuple[int, ...] = (1, 2, 4, 8, 32)
+"""The bit widths GACT chooses from; 32 means "keep the tensor uncompressed"."""
+
+KEEP_BITS = 32
 
 
 class Level(str, enum.Enum):
