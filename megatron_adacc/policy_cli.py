@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from megatron_adacc.core.errors import ArgumentParser, UsageError, refusal_boundary
-from megatron_adacc.core.units import format_bytes, parse_positive_bytes
+from megatron_adacc.core.units import format_bytes, parse_positive_bytes, positive_int
 from megatron_adacc.training.args import add_train_args, parse_train_args
 
 # The policy code (and torch under it) is imported by the functions that use it, after the command line is
@@ -38,8 +38,11 @@ def _model_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 def _add_profile_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("adacc profile")
-    g.add_argument("--force", action="store_true", help="Profile again even if the database has this model.")
-    g.add_argument("--repeats", type=int, default=3, help="Timed repetitions per measurement (median).")
+    g.add_argument("--refresh", "--force", dest="force", action="store_true",
+                   help="Profile again even if the database has this model (the newest profile is the one used): "
+                        "after a profile measured under contention, or a change of machine load or software.")
+    g.add_argument("--repeats", type=positive_int, default=3,
+                   help="Timed repetitions per measurement (median; more while they disagree).")
 
 
 def _add_solve_flags(p: argparse.ArgumentParser) -> None:

@@ -205,3 +205,19 @@ def test_the_outlier_probe_feeds_evolution_in_the_profiles_units(env) -> None:
         else:  # nothing saved for backward: no codec time, as the profiler records it
             assert new.compress_time_s == new.decompress_time_s == 0.0
     assert updated.codec_time_scale == profile.codec_time_scale
+
+
+def test_a_profile_measured_under_contention_is_named_at_every_reuse(env, monkeypatch, tmp_path) -> None:
+    """Its timings are what every later solve rests on: each run that reuses it says so, with the fix."""
+    import dataclasses
+
+    from megatron_adacc.adacc.integration import auto
+
+    args, config, profile = env
+    flagged = dataclasses.replace(profile, meta={**profile.meta, "contended": "5 of 9 timings stayed spread"})
+    monkeypatch.setattr("megatron_adacc.adacc.integration.profiler.profile_layer", lambda *a, **k: flagged)
+    monkeypatch.setattr(args, "adacc_profile_db", str(tmp_path / "p.sqlite"))
+    for _ in range(2):
+        logs: list[str] = []
+        auto.get_or_make_profile(args, config, log=logs.append)
+    assert any("was measured under contention (5 of 9" in m and "--refresh" in m for m in logs)

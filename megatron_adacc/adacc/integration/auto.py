@@ -54,6 +54,9 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
     if found is not None:
         pid, profile = found
         log(f"reusing profile #{pid} from {db.path} ({profile.device})")
+        if profile.meta.get("contended"):  # said at every reuse: the policy rests on these timings
+            log(f"WARNING: profile #{pid} was measured under contention ({profile.meta['contended']}); its "
+                "times may mislead the solver: `adacc profile --refresh` with the same flags on a quiet machine")
         return profile, db.reference(pid, profile)
     return profile_child.profile_and_store(args, config, device, db, log)
 

@@ -33,7 +33,8 @@ def profile_and_store(args: Any, config: Any, device: torch.device, db: ProfileD
     from megatron_adacc.adacc.integration.sample import layer_sample
 
     log(f"profiling one layer on {device_name(device)} (stored in {db.path})")
-    profile = profile_layer(layer_sample(args, config, device), args, config, device=device, log=log)
+    profile = profile_layer(layer_sample(args, config, device), args, config, device=device, log=log,
+                            repeats=getattr(args, "repeats", None) or 3)  # `adacc profile --repeats`
     pid = db.put(profile)
     return profile, db.reference(pid, profile)
 

@@ -81,16 +81,68 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int:
     raise RuntimeError("cannot read the available memory; pass --adacc-memory-budget")
 
 
+#: A measurement whose runs spread more than this (interquartile range over median) is repeated further: a
+#: process beside the profiler (a test worker, a data loader, another job) makes single runs slow, and a profile
+#: is stored and reused for every later run of the model.
+STABLE_SPREAD = 0.25
+#: ... up to this many times its ``repeats`` runs (and at least :data:`MIN_UNSTABLE_RUNS`), then it is counted
+#: as unstable: a profile with many unstable measurements is flagged as measured under contention.
+MAX_REPEAT_FACTOR = 4
+MIN_UNSTABLE_RUNS = 9
+#: The fraction of unstable measurements above which a profile is flagged.
+CONTENDED_FRACTION = 0.2
+
+
+@dataclass
+class TimingNoise:
+    """How stable the timings of one profiling run were (:func:`_timed` adds to the one :func:`profile_layer`
+    opens)."""
+
+    measurements: int = 0
+    unstable: int = 0
+    """Measurements still spread beyond :data:`STABLE_SPREAD` after their extra runs."""
+    extra_runs: int = 0
+
+    def contended(self) -> str | None:
+        """Why the profile's timings cannot be trusted, or None."""
+        if self.measurements and self.unstable / self.measurements > CONTENDED_FRACTION:
+            return (f"{self.unstable} of {self.measurements} timings stayed spread over {STABLE_SPREAD:.0%} "
+                    f"after {self.extra_runs} extra runs")
+        return None
+
+    def to_json(self) -> dict[str, int]:
+        return {"measurements": self.measurements, "unstable": self.unstable, "extra_runs": self.extra_runs}
+
+
+_NOISE: list[TimingNoise] = []
+
+
+def spread(times: list[float]) -> float:
+    """Interquartile range over median (0 for fewer than two runs or a zero median)."""
+    if len(times) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
 def _timed(fn: Callable[[], Any], repeats: int, sync: Sync) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up, with ``repeats`` more at a time while
+    the runs spread beyond :data:`STABLE_SPREAD` (up to :data:`MAX_REPEAT_FACTOR` times as many)."""
     fn()
     sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
+    times: list[float] = []
+    limit = max(repeats * MAX_REPEAT_FACTOR, MIN_UNSTABLE_RUNS)
+    while not times or (spread(times) > STABLE_SPREAD and len(times) < limit):
+        for _ in range(max(1, min(repeats, limit - len(times)))):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+    if _NOISE:
+        noise = _NOISE[-1]
+        noise.measurements += 1
+        noise.extra_runs += max(0, len(times) - repeats)
+        noise.unstable += spread(times) > STABLE_SPREAD
     return statistics.median(times)
 
 
@@ -311,14 +363,31 @@ def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.
     ``device`` names the profile (default: where the sample's inputs are). ``max_segment_ops`` bounds the
     measured segment length (longer segments are estimated from per-op times plus the measured per-segment
     overhead), to keep profiling short on large layers. Assumes torch.distributed and megatron's parallel
-    state are initialized (``adacc train`` and ``adacc profile`` do it).
+    state are initialized (``adacc train`` and ``adacc profile`` do it). Timings are repeated until they agree
+    (:func:`_timed`); a profile whose timings would not is flagged in ``meta["contended"]``.
     """
+    log = log or (lambda _msg: None)
+    _NOISE.append(TimingNoise())
+    try:
+        profile = _profile_layer(sample, args, config, device, repeats, max_segment_ops, log)
+    finally:
+        noise = _NOISE.pop()
+    profile.meta["timing"] = noise.to_json()
+    contended = noise.contended()
+    if contended:
+        profile.meta["contended"] = contended
+        log(f"profile: WARNING: measured under contention ({contended}); it is stored and flagged: rerun "
+            "`adacc profile --refresh` with the same flags on a quiet machine")
+    return profile
+
+
+def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.device | str | None, repeats: int,
+                   max_segment_ops: int | None, log: Callable[[str], None]) -> LayerProfile:
     from megatron.core.tensor_parallel.random import _fork_rng
 
     from megatron_adacc.adacc.runtime import layer_ops
     from megatron_adacc.adacc.runtime.ops import initial_env
 
-    log = log or (lambda _msg: None)
     device = torch.device(device) if device is not None else sample.hidden.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     signature = model_signature(config, args)
