@@ -76,7 +76,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def refusal_boundary(command: Callable[[list[str]], int], argv: list[str]) -> int:
     """Run ``command(argv)`` (``--debug`` taken out) as a command-line program: a refusal prints one line and
     gives :data:`EXIT_REFUSED`, Ctrl-C :data:`EXIT_INTERRUPTED`; anything else is a bug and keeps its traceback."""
-    debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = debug_asked(argv)
     try:
         return command([a for a in argv if a != DEBUG_FLAG])
     except AdaccError as exc:
@@ -87,17 +87,28 @@ def refusal_boundary(command: Callable[[list[str]], int], argv: list[str]) -> in
         return EXIT_INTERRUPTED
 
 
+def debug_asked(argv: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether the user asked for tracebacks: :data:`DEBUG_FLAG` on the command line or :data:`DEBUG_ENV` set."""
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def refusal_line(exc: AdaccError, prefix: str, rank: int) -> str | None:
+    """What ``rank`` prints for ``exc``, or None. Under torchrun every rank parses the same command line and
+    checks the same inputs, so every rank would print the same refusal: rank 0 speaks for all. A refusal one rank
+    may meet alone (:attr:`AdaccError.every_rank`) is said by each rank that meets it, with its rank."""
+    if rank == 0:
+        return f"{prefix}: {one_line(exc)}"
+    return f"{prefix}: rank {rank}: {one_line(exc)}" if exc.every_rank else None
+
+
 def _refuse(exc: AdaccError, debug: bool) -> None:
-    """Under torchrun every rank parses the same command line and checks the same inputs, so every rank would
-    print the same refusal: rank 0 speaks for all. A traceback is asked for to debug one rank: every rank shows
-    its own."""
-    rank = os.environ.get("RANK", "0")
+    """One line per :func:`refusal_line`; a traceback is asked for to debug one rank: every rank shows its own."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    elif rank == "0":
-        print(f"adacc: {one_line(exc)}", file=sys.stderr, flush=True)
-    elif exc.every_rank:
-        print(f"adacc: rank {rank}: {one_line(exc)}", file=sys.stderr, flush=True)
+        return
+    line = refusal_line(exc, "adacc", int(os.environ.get("RANK", "0") or 0))
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def one_line(exc: BaseException) -> str:

@@ -141,7 +141,7 @@ def check(features: Iterable[Feature], args: Any, extra: Iterable[str] = ()) -> 
     """Raise :class:`IntegrationError` listing every problem (``extra``: the host's own) at once."""
     found = [*extra, *problems(features, args)]
     if found:
-        raise IntegrationError("megatron-adacc cannot run this command line:\n  - " + "\n  - ".join(found))
+        raise IntegrationError("cannot run this command line:\n  - " + "\n  - ".join(found))
 
 
 def needs_hook(features: Iterable[Feature], hook: str) -> bool:

@@ -18,7 +18,8 @@ from megatron_adacc.core.features import Feature
 
 FEATURES = features.FEATURES
 
-__all__ = ["FEATURES", "Feature", "FeatureUnavailable", "IntegrationError", "check_combination", "enabled_features"]
+__all__ = ["FEATURES", "Feature", "FeatureUnavailable", "IntegrationError", "check_combination", "enabled_features",
+           "idle_feature_flags"]
 
 
 def enabled_features(args: Any) -> list[Feature]:
@@ -53,6 +54,16 @@ def host_problems(args: Any) -> list[str]:
     return []
 
 
-def check_combination(args: Any, enabled: list[Feature]) -> None:
-    """Raise :class:`IntegrationError` naming the flag to change when ``enabled`` cannot run with ``args``."""
-    core_features.check(enabled, args, extra=host_problems(args))
+def idle_feature_flags(args: Any, argv: list[str] | None = None) -> list[str]:
+    """The flags on the command line (``argv``, else ``sys.argv[1:]``, what Megatron-LM parsed) of features
+    that ``args`` leaves off, one line each, as ``adacc train`` refuses them: a user who wrote ``--gact-bits 2``
+    without ``--gact-level`` believes GACT is on."""
+    return core_features.idle_flags(FEATURES, args, sys.argv[1:] if argv is None else argv)
+
+
+def check_combination(args: Any, enabled: list[Feature], argv: list[str] | None = None) -> None:
+    """Raise :class:`IntegrationError` naming the flag to change when ``enabled`` cannot run with ``args``, or
+    when ``argv`` (default ``sys.argv[1:]``) configures a feature that is off. The host's own problems only
+    matter when a feature runs: with none, the stock run is Megatron-LM's business."""
+    extra = (host_problems(args) if enabled else []) + idle_feature_flags(args, argv)
+    core_features.check(enabled, args, extra=extra)

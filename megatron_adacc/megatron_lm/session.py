@@ -41,10 +41,10 @@ from typing import Any
 
 from megatron_adacc.core import features as core_features
 from megatron_adacc.core import patching
-from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.errors import AdaccError, debug_asked, refusal_line
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.core.features import Feature, build_extensions
-from megatron_adacc.megatron_lm.features import check_combination, enabled_features
+from megatron_adacc.megatron_lm.features import check_combination, enabled_features, idle_feature_flags
 
 TRAINING_MODULE = "megatron.training.training"
 #: Where the model builder wraps chunks in DDP (replaced under ``--adama``).
@@ -388,22 +388,37 @@ def uninstall_training_hooks(training: ModuleType, dist_utils: ModuleType | None
 
 
 def _one_line_refusals() -> None:
-    """Print an :class:`AdaccError` that reaches the top of ``pretrain_gpt.py`` as one line (what is wrong and
-    the flag to change) instead of a traceback through Megatron's frames; every other exception keeps the
-    previous hook. Errors still propagate as exceptions, so callers and tests can catch them."""
+    """Print an :class:`AdaccError` that reaches the top of ``pretrain_gpt.py`` as ``adacc``'s own boundary
+    (:func:`megatron_adacc.core.errors.refusal_boundary`) does: one line (what is wrong and the flag to change)
+    instead of a traceback through Megatron's frames, said once for all ranks
+    (:func:`~megatron_adacc.core.errors.refusal_line`); ``ADACC_DEBUG=1`` keeps the traceback, on every rank
+    (Megatron-LM's parser has no ``--debug`` of ours). Every other exception keeps the previous hook. Errors
+    still propagate as exceptions, so callers and tests can catch them."""
     previous = sys.excepthook
     if getattr(previous, "__adacc_refusals__", False):
         return
 
     def excepthook(kind, value, traceback):
-        if isinstance(value, AdaccError):
-            print(f"megatron-adacc: {value}", file=sys.stderr, flush=True)
-        else:
+        if not isinstance(value, AdaccError) or debug_asked():
             previous(kind, value, traceback)
+            return
+        line = refusal_line(value, "megatron-adacc", _rank())
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
 
     excepthook.__adacc_refusals__ = True
     sys.excepthook = excepthook
 
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's once Megatron initialized it (a refusal from a training-loop
+    hook), else torchrun's ``RANK`` (the flag checks run before Megatron initializes anything). torch is only
+    asked when already imported: with every flag off this module must not import it."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def configure(args: Any, *, training: ModuleType | None = None,
@@ -414,15 +429,17 @@ def configure(args: Any, *, training: ModuleType | None = None,
     combination against the rest of the command line, imports the entry points of the enabled features (so a
     missing one fails now) and wraps ``training.py``'s functions (see the module docstring). ``training`` is
     ``megatron.training.training`` and ``dist_utils`` ``megatron.training.models.dist_utils`` unless a test
-    passes stand-ins.
+    passes stand-ins. A flag that configures a feature left off (``--gact-bits 2`` without ``--gact-level``)
+    is refused even when no feature is on: the stock run it would start is not the one its user asked for.
     """
     global _SESSION
     features = enabled_features(args)
     if not features:
         _SESSION = None
-        return None
+        if not idle_feature_flags(args):
+            return None
     _one_line_refusals()
-    check_combination(args, features)
+    check_combination(args, features)  # with no feature on, it raises for the idle flags
     session = Session(args, features)
     session.preflight()
     install_training_hooks(training or importlib.import_module(TRAINING_MODULE), features, dist_utils)

@@ -45,7 +45,7 @@ def preflight(args: Any) -> None:
     except ValueError as exc:
         if isinstance(exc, IntegrationError):
             raise
-        raise IntegrationError(f"megatron-adacc cannot run this command line:\n  - {exc}") from exc
+        raise IntegrationError(f"cannot run this command line:\n  - {exc}") from exc
 
 
 def build_extensions(args: Any, config: Any) -> list:
