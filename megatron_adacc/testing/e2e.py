@@ -220,7 +220,7 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
     for old in workdir.glob(f"{c.name}.rank*.jsonl"):
         old.unlink()
     flags = [*SMALL_GPT, "--train-iters", str(c.iterations), *c.flags, *extra]
-    if not c.stock:
+    if not c.stock and _adacc_on(flags):  # a flag of a feature left off is refused
         db = workdir / f"{c.profile_db}.sqlite"
         if c.fresh_profile:
             db.unlink(missing_ok=True)
@@ -274,6 +274,12 @@ def auto_budget_flags(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -
     if key not in _BUDGETS:
         _BUDGETS[key] = _probe_budget(source, launcher, workdir)
     return _BUDGETS[key]
+
+
+def _adacc_on(flags: list[str]) -> bool:
+    """Whether ``flags`` turn Adacc on (the last ``--adacc-policy`` is not ``none``)."""
+    values = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--adacc-policy"]
+    return bool(values) and values[-1] != "none"
 
 
 def _probe_budget(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -> list[str]:
