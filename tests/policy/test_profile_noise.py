@@ -3,6 +3,8 @@ timings would not is flagged, said so when stored and at every reuse, and replac
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_adacc.adacc.integration import profiler
@@ -51,8 +53,11 @@ def test_runs_that_never_agree_stop_at_the_cap_and_count_as_unstable(monkeypatch
 
 
 def _analytic():
-    return analytic_profile(dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
-                                 micro_batch_size=2, dtype="float32", num_layers=2, vocab_size=256))
+    return dataclasses.replace(_ANALYTIC, meta={})
+
+
+_ANALYTIC = analytic_profile(dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
+                              micro_batch_size=2, dtype="float32", num_layers=2, vocab_size=256))
 
 
 @pytest.mark.parametrize("unstable, flagged", [(0, False), (1, False), (3, True)])
@@ -64,9 +69,20 @@ def test_a_profile_with_many_unstable_timings_is_flagged_and_says_so(monkeypatch
         return _analytic()
 
     monkeypatch.setattr(profiler, "_profile_layer", measured)
+    monkeypatch.setattr(profiler, "load_per_core", lambda: 0.5)  # a quiet machine, whatever this one's load
     logs: list[str] = []
     profile = profiler.profile_layer(None, None, None, log=logs.append)
     assert profile.meta["timing"]["measurements"] == 10 and profile.meta["timing"]["unstable"] == unstable
     assert ("contended" in profile.meta) is flagged
     assert any("measured under contention" in m and "adacc profile --refresh" in m for m in logs) is flagged
     assert not profiler._NOISE
+
+
+def test_two_profilers_side_by_side_are_flagged_by_the_load(monkeypatch):
+    """They time each other's work consistently: no spread shows it, the machine's load does."""
+    monkeypatch.setattr(profiler, "_profile_layer", lambda *a, **k: dataclasses.replace(_ANALYTIC, meta={},
+                                                                                          device="cpu:test x2"))
+    monkeypatch.setattr(profiler, "load_per_core", lambda: 2.1)
+    profile = profiler.profile_layer(None, None, None)
+    assert profile.meta["contended"] == "the load average was 2.1 per core"
+    assert profile.meta["timing"]["load_per_core"] == 2.1

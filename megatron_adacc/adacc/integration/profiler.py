@@ -91,6 +91,9 @@ MAX_REPEAT_FACTOR = 4
 MIN_UNSTABLE_RUNS = 9
 #: The fraction of unstable measurements above which a profile is flagged.
 CONTENDED_FRACTION = 0.2
+#: The load per core above which a CPU profile is flagged: the profiler itself keeps one core busy, so more
+#: than one runnable task per core means something else competed for them.
+CONTENDED_LOAD = 1.0
 
 
 @dataclass
@@ -103,15 +106,31 @@ class TimingNoise:
     """Measurements still spread beyond :data:`STABLE_SPREAD` after their extra runs."""
     extra_runs: int = 0
 
+    load_per_core: float | None = None
+    """The system's load average per core when profiling ended (CPU profiles; None elsewhere): two profilers
+    side by side time each other's work consistently, which no spread shows."""
+
     def contended(self) -> str | None:
         """Why the profile's timings cannot be trusted, or None."""
         if self.measurements and self.unstable / self.measurements > CONTENDED_FRACTION:
             return (f"{self.unstable} of {self.measurements} timings stayed spread over {STABLE_SPREAD:.0%} "
                     f"after {self.extra_runs} extra runs")
+        if self.load_per_core is not None and self.load_per_core > CONTENDED_LOAD:
+            return f"the load average was {self.load_per_core:.1f} per core"
         return None
 
-    def to_json(self) -> dict[str, int]:
-        return {"measurements": self.measurements, "unstable": self.unstable, "extra_runs": self.extra_runs}
+    def to_json(self) -> dict[str, Any]:
+        return {"measurements": self.measurements, "unstable": self.unstable, "extra_runs": self.extra_runs,
+                "load_per_core": self.load_per_core}
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average over the cores this process may use (None where the system does not say)."""
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return os.getloadavg()[0] / max(1, cores or 1)
+    except OSError:
+        return None
 
 
 _NOISE: list[TimingNoise] = []
@@ -372,6 +391,8 @@ def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.
         profile = _profile_layer(sample, args, config, device, repeats, max_segment_ops, log)
     finally:
         noise = _NOISE.pop()
+    if profile.device.startswith("cpu"):
+        noise.load_per_core = load_per_core()
     profile.meta["timing"] = noise.to_json()
     contended = noise.contended()
     if contended:
