@@ -123,10 +123,10 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     first, _ = parser.parse_known_args(argv)
     parser.set_defaults(**load_config(first.config, parser))
     args = parser.parse_args(argv)
-    explicit = set(argv if argv is not None else sys.argv[1:])
-    if args.adama and args.clip_grad and "--clip-grad" not in explicit:
+    given = list(argv if argv is not None else sys.argv[1:])
+    if args.adama and args.clip_grad and "--clip-grad" not in given:
         args.clip_grad = 0.0  # the config's global clipping cannot apply to AdamA; an explicit flag is refused
-    _check_shapes(args, (argv if argv is not None else sys.argv[1:]) if feature_flags_need_feature else [])
+    _check_shapes(args, given if feature_flags_need_feature else [])
     return SimpleNamespace(**vars(args))
 
 

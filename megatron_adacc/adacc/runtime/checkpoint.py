@@ -193,8 +193,10 @@ class _Recomputed(_Handle):
 _unpack = SavedTensorStore.unpack
 
 
-def _discard(_obj: Any) -> None:  # pragma: no cover - the recompute graph is never backpropagated
-    raise RuntimeError("megatron-adacc: a recomputation graph was backpropagated; this is a bug")
+def never_unpacked(_obj: Any) -> None:  # pragma: no cover - such a graph is never backpropagated
+    """The unpack hook of a forward whose graph is only measured or re-run for its values (a recomputation,
+    layer-size profiling): its pack hook keeps nothing, so autograd holds no tensor and no cycle through them."""
+    raise RuntimeError("megatron-adacc: a graph run only for its values was backpropagated; this is a bug")
 
 
 @contextlib.contextmanager
@@ -285,7 +287,7 @@ class _Segment:
             env = self._inputs()  # under enable_grad: backward runs with grad mode off
             for i, op in enumerate(self.ops):
                 cursor["op"], cursor["index"] = op.name, 0
-                with torch.autograd.graph.saved_tensors_hooks(pack, _discard):
+                with torch.autograd.graph.saved_tensors_hooks(pack, never_unpacked):
                     env.update(op.run(env))
                 for name in [n for n in env if last_read.get(n, -1) <= i and n not in wanted_outputs]:
                     del env[name]
@@ -340,7 +342,7 @@ class _Frame(SavedTensorStore):
 
     def __init__(self, layer: torch.nn.Module, decisions: Mapping[str, Any], ops: Sequence[LayerOp]):
         super().__init__(layer.parameters())
-        self.site = f"layer {getattr(layer, 'layer_number', '?')}"
+        self._layer_number = getattr(layer, "layer_number", "?")
         self.decisions = decisions
         self.ops = ops
         self.external: set[int] = set()
@@ -443,6 +445,10 @@ class _Frame(SavedTensorStore):
                 continue
             self.producer.pop(ptr, None)
             self.forget(ptr)
+
+    @property
+    def site(self) -> str:  # formatted only for a NaN/Inf fallback's line, not at every layer forward
+        return f"layer {self._layer_number}"
 
     def register_outputs(self, op: str, outputs: Mapping[str, Any]) -> None:
         for name, value in outputs.items():

@@ -34,6 +34,7 @@ from megatron_adacc.adacc.runtime.checkpoint import (
     LayerMemory,
     _capture_rng,
     compress_tensor,
+    never_unpacked,
     rng_state_nbytes,
 )
 from megatron_adacc.adacc.runtime.ops import LAYER_INPUTS, PRODUCER, RNG_OPS, initial_env, layer_ops, segment_inputs
@@ -136,10 +137,6 @@ class _SavedRecorder:
         self.consumed[owner].setdefault(self.current, []).append(t)
         return None
 
-    @staticmethod
-    def unpack(_obj: None) -> torch.Tensor:  # pragma: no cover - the profiled graph is never backpropagated
-        raise RuntimeError("megatron-adacc: a layer-size profiling graph was backpropagated; this is a bug")
-
     def produced(self, op: str, outputs: Mapping[str, Any]) -> None:
         for name, value in outputs.items():
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
@@ -180,7 +177,7 @@ def profile_layer_sizes(
             rng_bytes = rng_state_nbytes(_capture_rng())
             for op in ops:
                 recorder.current = op.name
-                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, never_unpacked):
                     outputs = op.run(env)
                 sizes[op.name].grad_bytes = _grad_bytes([env[n] for n in op.inputs] + list(outputs.values()))
                 env.update(outputs)
