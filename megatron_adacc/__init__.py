@@ -13,15 +13,15 @@ __version__ = "0.1.0"
 
 
 def install(*args, **kwargs):
-    """Route megatron-core's transformer layers through an Adacc policy; see
-    :func:`megatron_adacc.adacc.integration.install`."""
-    from megatron_adacc.adacc.integration import install as _install
+    """Run a megatron-core model's transformer layers under an Adacc policy:
+    ``install(model, "auto", budget="30GiB", micro_batch_size=8)``; see :func:`megatron_adacc.api.install`."""
+    from megatron_adacc.api import install as _install
 
     return _install(*args, **kwargs)
 
 
 def uninstall():
     """Undo :func:`install`."""
-    from megatron_adacc.adacc.integration import uninstall as _uninstall
+    from megatron_adacc.api import uninstall as _uninstall
 
     return _uninstall()

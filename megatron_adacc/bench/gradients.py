@@ -36,7 +36,7 @@ def run(args) -> dict:
     _, ref = loss_and_grads(model, batch)
 
     def error(policy: Policy) -> float:
-        megatron_adacc.install(policy, config=model.config, predict_memory=False)
+        megatron_adacc.install(model.config, policy, predict_memory=False)
         try:
             _, grads = loss_and_grads(model, batch)
         finally:

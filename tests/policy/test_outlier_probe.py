@@ -89,7 +89,7 @@ def test_the_probe_counts_every_outlier_op_as_the_codec_selects_them(name) -> No
     model = _model(hidden_dropout=0.0, attention_dropout=0.0)  # the reference forward must be the training one
     batch = tiny_batch(batch_size=2, seq_length=32)
     tokens, positions, mask, labels = batch
-    megatron_adacc.install(POLICIES[name], config=model.config, predict_memory=False)
+    megatron_adacc.install(model.config, POLICIES[name], predict_memory=False)
     probe = OutlierProbe(Z, repeats=1)
     probe.setup([model])
     probe.arm()
@@ -115,7 +115,7 @@ def test_sampling_leaves_the_random_streams_where_they_were() -> None:
 
     model = _model()  # with dropout
     tokens, positions, mask, labels = tiny_batch(batch_size=2, seq_length=32)
-    megatron_adacc.install(POLICIES["mixed"], config=model.config, predict_memory=False)
+    megatron_adacc.install(model.config, POLICIES["mixed"], predict_memory=False)
     probe = OutlierProbe(Z, repeats=1)
     probe.setup([model])
     probe.arm()
@@ -130,7 +130,7 @@ def test_sampling_leaves_the_random_streams_where_they_were() -> None:
 def _train(evolution: bool, steps: int = 4) -> tuple[list[float], PolicyEvolution | None]:
     model = _model()  # with dropout: the probe must not move its random streams
     policy = Policy.all_keep(2)
-    megatron_adacc.install(policy, config=model.config, predict_memory=False)
+    megatron_adacc.install(model.config, policy, predict_memory=False)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     evo = None
     if evolution:

@@ -1,4 +1,4 @@
-"""Fixtures shared by the runtime tests: a batch, and megatron-core left unpatched after every test.
+"""Fixtures shared by the runtime tests: a model and a batch, and megatron-core left unpatched after every test.
 
 Decision and comparison helpers live in ``_runtime_helpers.py``.
 """
@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 
 import megatron_adacc
-from megatron_adacc.testing import tiny_batch
+from megatron_adacc.testing import build_tiny_gpt, tiny_batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    """megatron-core's GPTModel, 2 tiny layers with dropout on, in training mode (one per test module)."""
+    m = build_tiny_gpt(seed=5)
+    m.train()
+    return m
 
 
 @pytest.fixture(scope="module")

@@ -30,17 +30,10 @@ POLICIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = build_tiny_gpt(seed=5)
-    m.train()
-    return m
-
-
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_one_step_forward_exact_gradients_bounded(model, batch, name):
     ref_loss, ref_grads = loss_and_grads(model, batch)
-    megatron_adacc.install(POLICIES[name](), config=model.config, predict_memory=False)
+    megatron_adacc.install(model.config, POLICIES[name](), predict_memory=False)
     loss, grads = loss_and_grads(model, batch)
     # Compression only changes what backward reads, never the forward.
     assert torch.equal(loss, ref_loss)
@@ -53,7 +46,7 @@ def _train(policy, steps=50):
     m = build_tiny_gpt(seed=5)
     m.train()
     if policy is not None:
-        megatron_adacc.install(policy, config=m.config, predict_memory=False)
+        megatron_adacc.install(m.config, policy, predict_memory=False)
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
     sampler = BatchSampler(32, 4, seed=0)
     set_seed(9)

@@ -15,15 +15,8 @@ import megatron_adacc
 from megatron_adacc.adacc.policy.ops import OP_NAMES
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward
-from megatron_adacc.testing import build_tiny_gpt, loss_and_grads
+from megatron_adacc.testing import loss_and_grads
 from megatron_adacc.training.distributed import set_seed
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = build_tiny_gpt(seed=5)
-    m.train()
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +26,7 @@ def reference(model, batch):
 
 
 def _with_policy(model, batch, policy):
-    megatron_adacc.install(policy, config=model.config)
+    megatron_adacc.install(model.config, policy)
     try:
         return loss_and_grads(model, batch)
     finally:

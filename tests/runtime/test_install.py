@@ -32,22 +32,15 @@ def _entry():
     return obj
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = build_tiny_gpt(seed=5)
-    m.train()
-    return m
-
-
 def test_install_is_idempotent_and_uninstall_restores(model):
     original = _entry()
     cfg = model.config
     assert cfg.recompute_granularity is None
-    megatron_adacc.install("keep", config=cfg)
+    megatron_adacc.install(cfg, "keep")
     patched = _entry()
     assert patched is not original and patched.__wrapped__ is original
     assert is_patched(patched)
-    megatron_adacc.install(Policy.all_recompute(2), config=cfg)
+    megatron_adacc.install(cfg, Policy.all_recompute(2))
     assert _entry() is patched  # not wrapped twice
     assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "uniform", 1)
     assert glue.installed_policy().name == "recompute"
@@ -62,16 +55,16 @@ def test_a_policy_switch_keeps_the_size_profiling_setting(model, batch):
     layer forward, which shows in peak memory) back on, nor re-run it when it is on."""
     cfg = model.config
     try:
-        megatron_adacc.install("keep", config=cfg, predict_memory=False)
-        megatron_adacc.install(Policy.all_recompute(2), config=cfg)
+        megatron_adacc.install(cfg, "keep", predict_memory=False)
+        megatron_adacc.install(cfg, Policy.all_recompute(2))
         assert glue._STATE["predict_memory"] is False
         megatron_adacc.uninstall()
-        megatron_adacc.install("keep", config=cfg)
+        megatron_adacc.install(cfg, "keep")
         assert glue._STATE["predict_memory"] is True
         loss_and_grads(model, batch)
         profiled = set(glue._STATE["profiled"])
         assert len(profiled) == 2
-        megatron_adacc.install(Policy.all_recompute(2), config=cfg)
+        megatron_adacc.install(cfg, Policy.all_recompute(2))
         assert glue._STATE["profiled"] == profiled
     finally:
         megatron_adacc.uninstall()
@@ -79,7 +72,7 @@ def test_a_policy_switch_keeps_the_size_profiling_setting(model, batch):
 
 def test_policy_none_leaves_megatron_untouched(model):
     original = _entry()
-    assert megatron_adacc.install("none", config=model.config) is None
+    assert megatron_adacc.install(model.config, "none") is None
     assert _entry() is original and model.config.recompute_granularity is None
 
 
@@ -113,7 +106,7 @@ def test_019_line_patches_the_function_and_its_by_name_import(monkeypatch, model
     monkeypatch.setattr(transformer_block, "checkpointed_forward", checkpointed_forward, raising=False)
     monkeypatch.setattr("megatron_adacc.compat.versions.megatron_line", lambda version=None: (0, 19))
 
-    megatron_adacc.install("keep", config=model.config)
+    megatron_adacc.install(model.config, "keep")
     dispatcher = fake.checkpointed_forward
     assert dispatcher is not checkpointed_forward and transformer_block.checkpointed_forward is dispatcher
     block = model.decoder
@@ -132,7 +125,7 @@ def test_dispatcher_calls_megatron_for_configs_without_a_policy(model, batch):
                            recompute_num_layers=1)
     other.train()
     ref = loss_and_grads(other, batch)
-    megatron_adacc.install("recompute", config=model.config)
+    megatron_adacc.install(model.config, "recompute")
     accounting.clear()
     got = loss_and_grads(other, batch)
     assert accounting.latest() == {}  # the runtime never ran
@@ -151,7 +144,7 @@ def test_install_before_building_the_model(batch):
     from megatron_adacc.training.distributed import set_seed
 
     config = tiny_config()
-    megatron_adacc.install(policy_of([decisions(recompute=("softmax", "dropout"))] * 2), config=config)
+    megatron_adacc.install(config, policy_of([decisions(recompute=("softmax", "dropout"))] * 2))
     set_seed(5)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=VOCAB_SIZE, max_sequence_length=32)
@@ -161,7 +154,7 @@ def test_install_before_building_the_model(batch):
 
 
 def test_eval_mode_runs_plain_megatron(model, batch):
-    megatron_adacc.install("quantize-all", config=model.config)
+    megatron_adacc.install(model.config, "quantize-all")
     accounting.clear()
     model.eval()
     try:
@@ -174,25 +167,26 @@ def test_eval_mode_runs_plain_megatron(model, batch):
 
 
 def test_preset_is_sized_at_first_forward_and_policy_files_load(model, batch, tmp_path):
-    megatron_adacc.install("quantize-all", config=model.config)
+    megatron_adacc.install(model.config, "quantize-all")
     assert glue.installed_policy() == "quantize-all"
     loss_and_grads(model, batch)
     assert isinstance(glue.installed_policy(), Policy) and glue.installed_policy().num_layers == 2
     megatron_adacc.uninstall()
     path = save_policy(policy_of([decisions(recompute=("context",)), decisions()], name="from-file"),
                        tmp_path / "p.json")
-    megatron_adacc.install(str(path), config=model.config)
+    megatron_adacc.install(model.config, str(path))
     assert glue.installed_policy().name == "from-file"
     loss_and_grads(model, batch)
     assert sorted(accounting.latest()) == [0, 1]
 
 
 def test_policy_errors_name_the_problem(model, batch):
-    megatron_adacc.install(Policy.all_keep(3), config=model.config)
+    megatron_adacc.install(model.config, Policy.all_keep(3))
     with pytest.raises(UnsupportedConfigError, match="has 3 layers but this model .* has 2"):
         loss_and_grads(model, batch)
-    with pytest.raises(FileNotFoundError, match="neither a preset"):
-        megatron_adacc.install("no/such/policy.json", config=model.config)
+    with pytest.raises(FileNotFoundError, match=r"^policy='no/such/policy.json' is neither 'auto', a preset") as e:
+        megatron_adacc.install(model.config, "no/such/policy.json")
+    assert "--" not in str(e.value)  # the Python API's errors speak of its arguments, not of the hosts' flags
     with pytest.raises(TypeError, match="TransformerConfig"):
         megatron_adacc.install("keep")
 
@@ -218,7 +212,7 @@ def test_install_refuses_megatron_recompute_before_patching():
     config = tiny_config(recompute_granularity="selective")
     original = _entry()
     with pytest.raises(UnsupportedConfigError, match="--recompute-granularity selective"):
-        megatron_adacc.install("keep", config=config)
+        megatron_adacc.install(config, "keep")
     assert _entry() is original
 
 

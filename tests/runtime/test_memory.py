@@ -14,7 +14,7 @@ from megatron_adacc.adacc.runtime import memory_report, predict_layer_memory, pr
 from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward
 from megatron_adacc.adacc.runtime.memory import _codecs_of
 from megatron_adacc.core.saved import SavedTensorMeter
-from megatron_adacc.testing import build_tiny_gpt, loss_and_grads, tiny_batch
+from megatron_adacc.testing import loss_and_grads, tiny_batch
 
 S, B, H, HEADS, FFN = 32, 2, 64, 4, 256
 F32 = 4
@@ -36,13 +36,6 @@ def _hand_count_all_keep() -> int:
             + act + ln_stats                        # ln2 (saved by linear_fc1) + stats
             + 2 * S * B * FFN * F32                 # fc1+bias (saved by GeLU) and GeLU output (by linear_fc2)
             + act)                                  # MLP dropout multiplier
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = build_tiny_gpt(seed=5)
-    m.train()
-    return m
 
 
 def test_all_keep_matches_hand_count_and_independent_meter(model, batch):
@@ -77,7 +70,7 @@ def test_a_keep_all_layer_runs_megatrons_forward_and_is_still_counted(model, bat
     calls = []
     monkeypatch.setattr(ck, "checkpointed_layer_forward",
                         lambda *a, **k: calls.append(1) or pytest.fail("keep-all layer took the runtime path"))
-    megatron_adacc.install(policy_of([decisions(), decisions(recompute=["activation"])]), config=model.config)
+    megatron_adacc.install(model.config, policy_of([decisions(), decisions(recompute=["activation"])]))
     megatron_adacc.adacc.runtime.accounting.clear()
     with pytest.raises(BaseException, match="runtime path"):
         loss_and_grads(model, batch)  # layer 0 keeps everything: megatron's forward; layer 1 needs the runtime
@@ -117,7 +110,7 @@ POLICIES = _policies()
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_measured_equals_predicted_on_the_profiled_batch(model, batch, name):
-    megatron_adacc.install(POLICIES[name], config=model.config)
+    megatron_adacc.install(model.config, POLICIES[name])
     loss_and_grads(model, batch)
     report = memory_report()
     assert len(report["layers"]) == 2
@@ -129,7 +122,7 @@ def test_measured_equals_predicted_on_the_profiled_batch(model, batch, name):
 
 @pytest.mark.parametrize("name", ["layer-specific", "stash-mix", "random-a"])
 def test_measured_within_five_percent_of_predicted_on_another_batch(model, batch, name):
-    megatron_adacc.install(POLICIES[name], config=model.config)
+    megatron_adacc.install(model.config, POLICIES[name])
     loss_and_grads(model, batch)                            # the first forward profiles the sizes
     loss_and_grads(model, tiny_batch(seed=17), rng_seed=3)  # other tokens, other dropout masks
     for row in memory_report()["layers"]:
@@ -139,7 +132,7 @@ def test_measured_within_five_percent_of_predicted_on_another_batch(model, batch
 def test_policies_order_memory_as_expected(model, batch):
     totals = {}
     for name in ("keep", "quantize-all", "recompute"):
-        megatron_adacc.install(POLICIES[name], config=model.config)
+        megatron_adacc.install(model.config, POLICIES[name])
         loss_and_grads(model, batch)
         totals[name] = memory_report()["measured_bytes"]
     assert totals["recompute"] < totals["quantize-all"] < totals["keep"] / 4

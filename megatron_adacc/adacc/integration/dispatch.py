@@ -1,12 +1,13 @@
 """Glue into megatron-core: route every ``TransformerLayer`` through the Adacc checkpoint function.
 
-Usage (what ``adacc train --adacc-policy ...`` does)::
+Usage (what ``adacc train --adacc-policy ...`` does; users call :func:`megatron_adacc.install`, which also
+solves ``auto``)::
 
-    import megatron_adacc
-    megatron_adacc.install(policy, config=config)   # Policy, a preset name, or a policy-file path
+    from megatron_adacc.adacc import integration
+    integration.install(policy, config)   # Policy, a preset name, or a policy-file path
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), ...)
     ...
-    megatron_adacc.uninstall()
+    integration.uninstall()
 
 How: megatron's full-recompute entry point is replaced by a dispatcher, and ``config`` is switched to full
 recompute (``uniform``, one layer per chunk) so that ``TransformerBlock.forward`` calls it in training. The
