@@ -70,8 +70,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "the all-keep, all-recompute and INT4-everywhere presets. PATH: a policy JSON file "
                         "(`adacc solve` writes one).")
     g.add_argument("--adacc-memory-budget", type=parse_positive_bytes, default=None, metavar="BYTES",
-                   help="Memory budget for --adacc-policy auto (e.g. 30GiB). Default: the device's memory "
-                        "(CUDA: total memory of the current GPU; CPU: available RAM).")
+                   help="Memory budget for --adacc-policy auto (e.g. 30GiB): the peak of PyTorch's allocated "
+                        "bytes on CUDA, of resident memory on the CPU (docs/choosing-a-budget.md). Default: 90%% "
+                        "of what the GPU has beyond the CUDA context and other processes; the CPU's available "
+                        "RAM.")
     g.add_argument("--adacc-memory-headroom", type=_HEADROOM, default=0.01, metavar="FRACTION",
                    help="Fraction of the budget the solver leaves free for what its cost model does not see "
                         "(allocator fragmentation, run-to-run variation of the peak). Default 0.01.")

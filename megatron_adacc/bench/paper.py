@@ -605,12 +605,15 @@ def _loss_reading(curves: dict, base_valid: float | None) -> str:
         """The difference against the spread, as ``sep`` + phrase + ``end``; empty without a spread."""
         if spread is None:
             return ""
-        return sep + ("beyond" if abs(diff) > spread else "within") + " the run-to-run spread" + end
+        if abs(diff) <= spread:
+            return sep + "within the seed-to-seed difference" + end
+        # One other seed is one sample of the spread: a larger gap is a hint, not an established ordering.
+        return sep + "above one seed-to-seed difference: a hint, not an ordering" + end
 
     parts = []
     if spread is not None:
-        parts.append(f"the baseline with another seed lands {other_seed:+.2f}% from the baseline, the run-to-run "
-                     "spread against which the other differences are read")
+        parts.append(f"the baseline with another seed lands {other_seed:+.2f}% from the baseline, one sample of "
+                     "the seed-to-seed spread that the other differences are read against")
     if adacc is not None:
         if adacc > 0.5:  # the paper's claim bounds how much worse Adacc may be; lower loss meets it
             claim = "more than the paper's 0.5% worse" + beyond(adacc, "; ", "")

@@ -221,3 +221,17 @@ def test_a_profile_measured_under_contention_is_named_at_every_reuse(env, monkey
         logs: list[str] = []
         auto.get_or_make_profile(args, config, log=logs.append)
     assert any("was measured under contention (5 of 9" in m and "--refresh" in m for m in logs)
+
+
+def test_the_default_cuda_budget_leaves_room_for_what_allocated_bytes_do_not_count(monkeypatch):
+    """A GPU's default budget is compared with allocated bytes; it must leave the CUDA context, other processes
+    and the caching allocator's fragmentation out (the total memory would plan a run that runs out)."""
+    from megatron_adacc.adacc.integration import profiler
+
+    gib = 2**30
+    monkeypatch.setattr(profiler, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 32 * gib))  # 2 GiB in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: gib // 2)  # 0.5 of them ours
+    budget = profiler.device_memory_bytes("cuda")
+    assert budget == int(profiler.CUDA_DEFAULT_FRACTION * (32 - 1.5) * gib)
+    assert budget < 28 * gib

@@ -69,11 +69,21 @@ def device_name(device: torch.device | str | None = None) -> str:
     return f"cpu:{model} x{os.cpu_count()}"
 
 
+#: On CUDA the budget is compared with the caching allocator's allocated bytes (``max_memory_allocated``), while
+#: the device runs out when its *reserved* bytes meet what the CUDA context, NCCL and other processes leave. The
+#: default budget keeps this fraction of that room for the gap between reserved and allocated (fragmentation of
+#: the caching allocator, typically a few percent; more with varying shapes).
+CUDA_DEFAULT_FRACTION = 0.9
+
+
 def device_memory_bytes(device: torch.device | str | None = None) -> int:
-    """The default budget: the GPU's total memory, or the RAM available now on CPU."""
+    """The default budget. CUDA: :data:`CUDA_DEFAULT_FRACTION` of the memory PyTorch can have on the GPU (its
+    total less what the CUDA context, NCCL and other processes hold now). CPU: the RAM available now."""
     device = resolve_device(device)
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        free, total = torch.cuda.mem_get_info(device)
+        outside = total - free - torch.cuda.memory_reserved(device)  # held by anything but this caching allocator
+        return int(CUDA_DEFAULT_FRACTION * (total - max(outside, 0)))
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
