@@ -43,17 +43,17 @@ RUN bash "${ADACC_DIR}/scripts/apply_patches.sh" "${MEGATRON_DIR}" \
 # TORCH_CUDA_ARCH_LIST make the build compile the CUDA kernels for every listed architecture anyway.
 COPY . ${ADACC_DIR}
 WORKDIR ${ADACC_DIR}
-RUN pip install --no-cache-dir "pulp>=2.8,<4" \
+RUN pip install --no-cache-dir "pulp>=2.8" "highspy>=1.8" \
     && MAX_JOBS="$(nproc)" pip install --no-cache-dir --no-build-isolation --no-deps -e "${ADACC_DIR}"
 
 # Build-time checks: the patched entry point imports our package, and every requested architecture is in
-# the compiled extension (cuobjdump lists one ELF per sm_XX).
+# the compiled extension (the arch check CI's compile check runs: cuobjdump lists one ELF per sm_XX).
 RUN grep -q "import megatron_adacc.megatron_lm" "${MEGATRON_DIR}/pretrain_gpt.py" \
-    && python -c "import megatron_adacc.megatron_lm, megatron.core, pulp; print('megatron-core', megatron.core.__version__)" \
-    && so="$(python -c 'import glob, megatron_adacc, os; print(" ".join(glob.glob(os.path.join(os.path.dirname(megatron_adacc.__file__), "**", "_C*.so"), recursive=True)))')" \
-    && test -n "${so}" \
-    && elfs="$(for f in ${so}; do cuobjdump --list-elf "$f"; done)" \
-    && for arch in ${CUDA_ARCHS//;/ }; do sm="sm_${arch//./}"; grep -q "${sm}" <<<"${elfs}" || { echo "no ${sm} kernels in ${so}" >&2; exit 1; }; done
+    && python -c "import megatron_adacc.megatron_lm, megatron.core; print('megatron-core', megatron.core.__version__)" \
+    && python -c "from megatron_adacc.adacc.policy.strategies.base import select_backend as s; print('MILP solver', s())" \
+    && mapfile -t so < <(python -c 'import glob, megatron_adacc, os; print("\n".join(glob.glob(os.path.join(os.path.dirname(megatron_adacc.__file__), "**", "_C*.so"), recursive=True)))') \
+    && [[ -n "${so[0]:-}" ]] \
+    && scripts/check_cuda_arches.sh "${CUDA_ARCHS}" "${so[@]}"
 
 ENV PATH="${ADACC_DIR}/scripts:${PATH}"
 CMD ["bash"]

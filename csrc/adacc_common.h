@@ -1,9 +1,10 @@
-// Shared definitions of the codec kernels (CPU and CUDA).
+// Shared definitions of the codec kernels (CPU and CUDA): constants and the payload layout. The
+// arithmetic on values and groups is in codec_math.h.
 //
 // The numerical conventions are those of megatron_adacc/codecs/reference.py, the pure-torch oracle the
 // tests compare against bit for bit:
 //   * values are read as float32; scales and offsets are float32; no fused multiply-add
-//     (the build passes -ffp-contract=off; CUDA code uses __fmul_rn/__fadd_rn);
+//     (codec_math.h's fmul_rn, fadd_rn, ...);
 //   * rounding is round-half-to-even, applied after clamping to the code range;
 //   * groups are packed independently, each from a byte boundary; value j of a byte sits in bits
 //     [j*bits, (j+1)*bits); padding bits are zero; a 4-bit code q in [-8, 7] is stored as q + 8;
@@ -15,8 +16,12 @@
 
 #include <cstdint>
 
+// Functions of both devices. On the host always inlined: the CPU kernels are compiled once per
+// instruction set (cpu_kernels_impl.h), and only inlined code is vectorized for the caller's.
 #if defined(__CUDACC__)
 #define ADACC_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define ADACC_HD inline __attribute__((always_inline))
 #else
 #define ADACC_HD inline
 #endif
@@ -28,24 +33,6 @@ constexpr float kRoundMagic = 12582912.0f;             // 1.5 * 2**23: (v + M) -
 // Exact power of two: scaling by it commutes with rounding, so a quarter-scale computation gives the
 // float32 result of unbounded arithmetic, and a quarter of any two finite floats' difference is finite.
 constexpr float kQuarter = 0.25f;
-
-// MurmurHash3's 32-bit finalizer; uniform24 is the counter-based generator of the stochastic codec
-// (reference.uniform24). A pure function of (seed, index): the random stream does not depend on thread
-// count, block size or device.
-ADACC_HD uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
-}
-
-ADACC_HD uint32_t uniform24(uint64_t seed, uint64_t index) {
-  const uint32_t a = fmix32(static_cast<uint32_t>(index) ^ static_cast<uint32_t>(seed));
-  const uint32_t b = fmix32(a + (static_cast<uint32_t>(index >> 32) ^ static_cast<uint32_t>(seed >> 32)));
-  return b >> 8;
-}
 
 ADACC_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -7,7 +7,9 @@
 # package. torch comes from PyPI: for Python 3.12 that is only the CUDA 13 build, which runs on a CPU. Its
 # nvidia-* dependencies cannot be left out (--no-deps gives `libcudnn.so.9: cannot open shared object file` at
 # `import torch`: libtorch_cuda.so links cuDNN, cuBLAS, NCCL, cuSPARSELt, NVSHMEM...), so the environment takes
-# ~5.5 GB; on a machine with a warm pip cache it installs in under a minute. pulp stays below 4 (4.x has no CBC).
+# ~5.5 GB; on a machine with a warm pip cache it installs in under a minute. PuLP is what pip picks for Python
+# 3.12 (4.x, which bundles no solver) with highspy, the MILP backend the package declares, so that this tier
+# also checks the solver on the Python the GPU image runs.
 #
 # The environment lives outside the clone (default ~/.cache/megatron-adacc/venv312-<hash of the pins>), so a
 # second CI run on the same machine reuses it; the project itself is installed again (editable) every time.
@@ -28,7 +30,7 @@ if [ -z "$PY312" ]; then
   exit 2
 fi
 # One line per pin; the venv's name hashes them, so changing a pin builds a new one.
-PINS="torch==2.14.1 megatron-core==0.19.2 pulp>=2.7,<4 numpy packaging pybind11 tqdm setuptools wheel ninja
+PINS="torch==2.14.1 megatron-core==0.19.2 pulp highspy numpy packaging tqdm setuptools ninja
 psutil pytest pytest-timeout"
 HASH=$(printf '%s' "$PINS" | sha256sum | cut -c1-12)
 VENV=${ADACC_VENV312:-$HOME/.cache/megatron-adacc/venv312-$HASH}
@@ -48,16 +50,18 @@ if [ ! -f "$VENV/.complete" ]; then
   # megatron-core's own requirements are numpy and packaging; --no-deps keeps pip from resolving its extras.
   "${PIP[@]}" --no-deps megatron-core==0.19.2
   # psutil: Megatron's checkpoint saving imports it (megatron-core does not declare it).
-  "${PIP[@]}" "pulp>=2.7,<4" numpy packaging pybind11 tqdm setuptools wheel ninja psutil pytest pytest-timeout
+  "${PIP[@]}" pulp highspy numpy packaging tqdm setuptools ninja psutil pytest pytest-timeout
   touch "$VENV/.complete"
 fi
 # The project, editable, with a CPU-only extension build (nvcc may exist, but nothing built for CUDA could run
 # without a GPU). Rebuilt when this checkout or the extension's sources changed.
-BUILT=$VENV/.project-$(cat setup.py pyproject.toml csrc/*.cpp csrc/*.h | { sha256sum; pwd; } | sha256sum | cut -c1-12)
-if [ ! -f "$BUILT" ] || ! "$PY" -c "import megatron_adacc._C" 2>/dev/null; then
+BUILT=$VENV/.project-$(cat setup.py pyproject.toml build_backend/*.py csrc/*.cpp csrc/*.h | { sha256sum; pwd; } |
+  sha256sum | cut -c1-12)
+# torch first: the extension links its libraries, which only `import torch` puts within reach.
+if [ ! -f "$BUILT" ] || ! "$PY" -c "import torch, megatron_adacc._C" 2>/dev/null; then
   ADACC_BUILD_CUDA=0 "${PIP[@]}" --no-build-isolation --no-deps -e . >&2
   rm -f "$VENV"/.project-*
   touch "$BUILT"
 fi
-"$PY" -c "import megatron.core, megatron.training, torch, pulp; import megatron_adacc._C" >&2
+"$PY" -c "import megatron.core, megatron.training, torch, pulp, highspy; import megatron_adacc._C" >&2
 echo "$PY"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU acceptance check of the Megatron-LM integration: 20 iterations of the patched pretrain_gpt.py with mock
 # data and --transformer-impl local, for stock Megatron (none), Megatron full recompute and Adacc auto, on one
-# GPU. Writes benchmarks/results/megatron_lm_smoke.json (device, date, step time, tokens/s, peak memory).
+# GPU. Writes megatron_lm_smoke.json (device, date, step time, tokens/s, peak memory) to RESULTS_DIR
+# (default benchmarks/results) and the runs' logs to OUT_DIR.
 #
 #   MEGATRON_DIR=/path/to/patched/Megatron-LM scripts/megatron_lm_smoke.sh
 set -uo pipefail
@@ -20,6 +21,6 @@ for method in baseline full-recompute adacc-auto; do
     [ "$rc" -eq 0 ] || status=1
 done
 (cd "$HERE" && "${PYTHON:-python}" -m megatron_adacc.bench.megatron_lm_logs --summarize "$out_dir" \
-    --name megatron_lm_smoke --seq-length 1024 \
+    --name megatron_lm_smoke --seq-length 1024 --output-dir "${RESULTS_DIR:-$HERE/benchmarks/results}" \
     --config-json '{"model": "gpt-345m with 8 layers", "gpus": 1, "iters": 20, "data": "mock"}')
 exit "$status"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,26 @@ def isa(request):
     EXT.set_cpu_isa(request.param)
     yield request.param
     EXT.set_cpu_isa("auto")
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device of the device-parametrized kernel tests: ``ADACC_TEST_DEVICE`` (default ``cpu``).
+
+    A device asked for must be there and run compiled kernels: the GPU acceptance run sets
+    ``ADACC_TEST_DEVICE=cuda``, and a skip would let it pass without a GPU or without the CUDA kernels."""
+    dev = torch.device(os.environ.get("ADACC_TEST_DEVICE", "cpu"))
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            pytest.fail("ADACC_TEST_DEVICE=cuda but torch sees no CUDA device", pytrace=False)
+        if EXT is None or not EXT.with_cuda:
+            pytest.fail("ADACC_TEST_DEVICE=cuda but megatron_adacc._C has no CUDA kernels (rebuild with "
+                        "ADACC_BUILD_CUDA=1)", pytrace=False)
+    elif dev.type != "cpu":
+        pytest.fail(f"ADACC_TEST_DEVICE={dev} is neither cpu nor cuda", pytrace=False)
+    elif EXT is None:
+        pytest.skip("megatron_adacc._C not built")
+    return dev
 
 
 @pytest.fixture(autouse=True)

@@ -55,7 +55,9 @@ def test_kernels_for_v100_a100_h100_are_built_and_checked():
     assert archs == ["7.0", "8.0", "9.0"]
     env = " ".join(rest for keyword, rest in instructions() if keyword == "ENV")
     assert "TORCH_CUDA_ARCH_LIST=${CUDA_ARCHS}" in env and "ADACC_BUILD_CUDA=1" in env
-    assert "cuobjdump --list-elf" in runs()  # the build fails when an architecture is missing
+    # The build fails when an architecture is missing: the same cuobjdump check as CI's compile check.
+    assert 'scripts/check_cuda_arches.sh "${CUDA_ARCHS}"' in runs()
+    assert "cuobjdump\" --list-elf" in (REPO / "scripts" / "check_cuda_arches.sh").read_text()
 
 
 def test_megatron_lm_is_the_pinned_commit_with_our_patches():

@@ -12,10 +12,11 @@ from megatron_adacc.adacc.policy.cost_model import Choice, Problem, build_proble
 from megatron_adacc.adacc.policy.pareto import pareto_front
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.policy.profile import analytic_profile
+from megatron_adacc.adacc.policy.signature import plain_signature
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, brute_force, chain_aware, heterogeneous, paper
 
-SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=128, micro_batch_size=2,
-           dtype="float32", num_layers=12, megatron_core_version="0.16.1")
+SIG = plain_signature(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=128,
+                      micro_batch_size=2, dtype="float32", num_layers=12, megatron_core_version="0.16.1")
 
 
 def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False,
@@ -369,16 +370,18 @@ def test_the_milps_bound_every_stage_exactly_as_the_cost_model_does() -> None:
             min(problem.total_memory([p] * 3, stash=chain) for p in every))
 
 
-def test_a_pulp_without_cbc_is_refused_with_the_fix(monkeypatch):
-    """PuLP 4 (what pip picks on Python 3.12) no longer bundles CBC."""
+def test_a_pulp_without_any_solver_is_refused_with_the_fix(monkeypatch):
+    """PuLP 4 (what pip picks on Python 3.12) no longer bundles CBC; without highspy there is no backend."""
     import pulp
 
-    from megatron_adacc.adacc.policy.strategies.base import SolverUnavailable, cbc
+    from megatron_adacc.adacc.policy.strategies.base import SolverUnavailable
     from megatron_adacc.core.errors import AdaccError
 
-    monkeypatch.delattr(pulp, "PULP_CBC_CMD")
-    with pytest.raises(SolverUnavailable, match=r"pip install 'pulp>=2.7,<4'") as err:
-        cbc()
+    monkeypatch.delenv("ADACC_MILP_SOLVER", raising=False)
+    for name in ("PULP_CBC_CMD", "COIN_CMD", "HiGHS"):
+        monkeypatch.delattr(pulp, name, raising=False)
+    with pytest.raises(SolverUnavailable, match=r"pip install highspy") as err:
+        chain_aware.solve(random_problem(random.Random(0), 3, 2, 0.5))
     assert isinstance(err.value, AdaccError)
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import inspect
+import os
+import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +23,7 @@ from megatron_adacc.core.errors import AdaccError
 
 MS = 1e3
 """Time enters the MILP in milliseconds; memory in units of 1/1000 of the room left for activations
-(:func:`memory_unit`), so CBC's absolute tolerances stay meaningful for any budget size."""
+(:func:`memory_unit`), so the solvers' absolute tolerances stay meaningful for any budget size."""
 
 
 def memory_unit(room: float | None) -> float:
@@ -52,6 +59,8 @@ class SolveResult:
     chain_aware: bool
     heterogeneous: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
+    """The MILP backend that solved it (:data:`BACKENDS`); None when no MILP ran (closed form, brute force)."""
 
     def to_policy(self, *, signature: dict[str, Any] | None = None, budget_bytes: int | None = None,
                   profile_ref: dict[str, Any] | None = None, static_bytes: float | None = None,
@@ -63,6 +72,8 @@ class SolveResult:
             predicted["activation_bytes"] = int(round(self.predicted_memory_bytes - static_bytes))
         solver = {"strategy": self.strategy, "status": self.status, "solve_time_s": self.solve_time_s,
                   "chain_aware": self.chain_aware, "heterogeneous": self.heterogeneous, **self.extra}
+        if self.backend is not None:
+            solver["backend"] = self.backend
         return Policy(layers=[list(d) for d in self.decisions], signature=signature, budget_bytes=budget_bytes,
                       predicted=predicted, solver=solver, profile=profile_ref, name=name)
 
@@ -94,7 +105,7 @@ def add_memory_bounds(prob: pulp.LpProblem, problem: Problem, room: float, store
 
 def prefer_stock(problem: Problem, picks: list[int] | None, *, chain_aware: bool) -> list[int] | None:
     """``picks``, or keep-everything where it fits and is no slower. The MILPs' objectives leave out the
-    runtime's fixed cost, which only keep-everything escapes, so CBC may break that tie the other way."""
+    runtime's fixed cost, which only keep-everything escapes, so the solver may break that tie the other way."""
     keep = problem.stock_picks()
     if keep is None or (problem.budget_bytes is not None and problem.total_memory(
             [keep] * problem.num_layers, stash=chain_aware) > problem.budget_bytes):
@@ -105,27 +116,127 @@ def prefer_stock(problem: Problem, picks: list[int] | None, *, chain_aware: bool
     return picks
 
 
-def run_cbc(prob: pulp.LpProblem) -> str:
-    """Solve with PuLP's bundled CBC (offline, silent) and return PuLP's status string."""
-    prob.solve(cbc())
-    return pulp.LpStatus[prob.status]
-
-
-def cbc(**options: Any) -> pulp.LpSolver:
-    """PuLP's bundled CBC binary, silent. PuLP 3.3 deprecates the bundled-binary class in favour of a
-    separately installed CBC; the bundled one is what works offline, so its warning is silenced here."""
-    bundled = getattr(pulp, "PULP_CBC_CMD", None)
-    if bundled is None:  # PuLP 4 no longer ships CBC
-        raise SolverUnavailable(
-            f"PuLP {getattr(pulp, '__version__', '?')} has no bundled CBC solver, which Adacc's MILP uses; "
-            "install a PuLP that has it: pip install 'pulp>=2.7,<4'")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return bundled(msg=False, **options)
+SOLVER_ENV = "ADACC_MILP_SOLVER"
+"""Environment variable that forces a MILP backend: ``highs``, ``cbc`` or ``auto`` (the default)."""
+BACKENDS = ("highs", "cbc")
+"""The MILP backends PuLP hands our models to, most preferred first: HiGHS (``highspy``, a wheel on every Python
+we support, usually much faster on these MILPs) and CBC (bundled by PuLP < 4; PuLP 4 runs a ``cbc`` binary)."""
+_INSTALL = {"highs": "pip install highspy", "cbc": "pip install 'pulp<4' (it bundles CBC) or put cbc on PATH"}
+_FORCED: ContextVar[str | None] = ContextVar("adacc_milp_backend", default=None)
 
 
 class SolverUnavailable(AdaccError, RuntimeError):
-    """The MILP solver megatron-adacc uses is not installed."""
+    """No MILP backend megatron-adacc can use is installed (or the one asked for is not)."""
+
+
+def available_backends() -> list[str]:
+    """The MILP backends installed here, most preferred first."""
+    return [name for name in BACKENDS if _solver_class(name) is not None]
+
+
+def select_backend(name: str | None = None) -> str:
+    """The backend to solve with: ``name``, else the one :func:`milp_backend` set, else ``$ADACC_MILP_SOLVER``,
+    else the first installed of :data:`BACKENDS`. Raises :class:`SolverUnavailable` naming the install command."""
+    wanted = (name or _FORCED.get() or os.environ.get(SOLVER_ENV) or "auto").strip().lower()
+    if wanted != "auto" and wanted not in BACKENDS:
+        raise SolverUnavailable(f"{SOLVER_ENV}={wanted!r} is not a MILP backend: use one of "
+                                f"{', '.join(BACKENDS)} or auto")
+    for backend in BACKENDS if wanted == "auto" else (wanted,):
+        if _solver_class(backend) is not None:
+            return backend
+    pulp_version = getattr(pulp, "__version__", "?")
+    if wanted == "auto":
+        raise SolverUnavailable(f"PuLP {pulp_version} has no MILP solver installed (HiGHS or CBC), which Adacc's "
+                                f"policy solver needs: {_INSTALL['highs']}")
+    raise SolverUnavailable(f"{SOLVER_ENV}={wanted} but {wanted} is not installed for PuLP {pulp_version}: "
+                            f"{_INSTALL[wanted]}")
+
+
+@contextmanager
+def milp_backend(name: str) -> Iterator[str]:
+    """Solve with ``name`` inside the block (benchmarks compare backends); refused at once when not installed."""
+    backend = select_backend(name)
+    token = _FORCED.set(backend)
+    try:
+        yield backend
+    finally:
+        _FORCED.reset(token)
+
+
+def _solver_class(backend: str) -> type | None:
+    """PuLP's solver class for ``backend`` when it can run here, else None. PuLP < 4 bundles CBC as
+    ``PULP_CBC_CMD``; PuLP 4 dropped it, and its ``COIN_CMD`` runs a CBC found on PATH (or pulp[cbc]'s)."""
+    names = ("HiGHS",) if backend == "highs" else ("PULP_CBC_CMD", "COIN_CMD")
+    for attr in names:
+        cls = getattr(pulp, attr, None)
+        if cls is None:
+            continue
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC, which is what works offline
+            warnings.simplefilter("ignore", DeprecationWarning)
+            if cls(msg=False).available():
+                return cls
+    return None
+
+
+def milp_solver(backend: str, *, time_limit_s: float | None = None, warm_start: bool = False) -> pulp.LpSolver:
+    """A silent PuLP solver for ``backend``. Both backends run to a proven optimum (no relative gap: HiGHS's
+    default of 1e-4 could stop on a slower policy than the one CBC proves best), within ``time_limit_s`` when
+    given; ``warm_start`` hands the variables' initial values over where the PuLP version supports it for the
+    backend (PuLP 3's HiGHS does not)."""
+    cls = _solver_class(backend)
+    if cls is None:
+        select_backend(backend)  # raises, naming the install command
+    options: dict[str, Any] = {"msg": False}
+    if time_limit_s is not None:
+        options["timeLimit"] = time_limit_s
+    if backend == "highs":
+        options["gapRel"] = 0.0
+        _swallow_highs_banner()
+    if warm_start and "warmStart" in inspect.signature(cls.__init__).parameters:
+        options["warmStart"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cls(**options)
+
+
+@functools.cache
+def _swallow_highs_banner() -> None:
+    """HiGHS prints a copyright banner to the C stdout when a process makes its first solver, before any option
+    can silence it, and every ``adacc`` command that solves would show it; that first solver is made here with
+    the C stdout pointed at /dev/null (flushed, since a pipe buffers it)."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+            try:
+                ctypes.CDLL(None).fflush(None)
+            except (OSError, AttributeError, TypeError):  # no C runtime to flush by that name (Windows)
+                pass
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run_milp(prob: pulp.LpProblem, backend: str, *, time_limit_s: float | None = None,
+             warm_start: bool = False) -> str:
+    """Solve ``prob`` with ``backend``: ``"Optimal"`` (proven), ``"Feasible"`` (a solution, e.g. at the time
+    limit), ``"Infeasible"``, or the solver's word for anything else. PuLP 4 returns the outcome; PuLP 3 leaves
+    it on the problem."""
+    outcome = prob.solve(milp_solver(backend, time_limit_s=time_limit_s, warm_start=warm_start))
+    if hasattr(outcome, "has_solution"):
+        proven = outcome.status == pulp.LpSolveStatus.Optimal
+        if outcome.has_solution:
+            return "Optimal" if proven else "Feasible"
+        return "Infeasible" if outcome.status == pulp.LpSolveStatus.Infeasible else outcome.status_str
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return "Optimal"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "Feasible"
+    return pulp.LpStatus[prob.status]
 
 
 def picked(x: Sequence[Sequence[pulp.LpVariable]]) -> list[int]:
@@ -138,19 +249,22 @@ def picked(x: Sequence[Sequence[pulp.LpVariable]]) -> list[int]:
 
 
 def finish_uniform(problem: Problem, strategy: str, picks: list[int], status: str, t0: float,
-                   *, chain_aware: bool) -> SolveResult:
+                   *, chain_aware: bool, backend: str | None = None) -> SolveResult:
     """Build a uniform result and verify it against the exact (unscaled) memory bound."""
     layers = [list(picks) for _ in range(problem.num_layers)]
-    return finish(problem, strategy, layers, status, t0, chain_aware=chain_aware, heterogeneous=False)
+    return finish(problem, strategy, layers, status, t0, chain_aware=chain_aware, heterogeneous=False,
+                  backend=backend)
 
 
 def finish(problem: Problem, strategy: str, layers: list[list[int]], status: str, t0: float, *,
-           chain_aware: bool, heterogeneous: bool, extra: dict[str, Any] | None = None) -> SolveResult:
+           chain_aware: bool, heterogeneous: bool, extra: dict[str, Any] | None = None,
+           backend: str | None = None) -> SolveResult:
+    """Build a result and verify it against the exact (unscaled) memory bound."""
     if status not in ("Optimal", "Feasible"):
         if status == "Infeasible":
             raise InfeasibleBudgetError(problem.budget_bytes or 0.0, problem.min_feasible_budget(stash=chain_aware),
                                         " (the solver proved it)")
-        raise RuntimeError(f"{strategy}: CBC returned status {status!r}")
+        raise RuntimeError(f"{strategy}: the MILP solver ({backend}) returned status {status!r}")
     memory = problem.total_memory(layers, stash=chain_aware)
     if problem.budget_bytes is not None and memory > problem.budget_bytes * (1 + 1e-7) + 1e-6:
         raise RuntimeError(f"{strategy}: solution uses {memory:,.0f} bytes, over the budget "
@@ -159,5 +273,5 @@ def finish(problem: Problem, strategy: str, layers: list[list[int]], status: str
         strategy=strategy, layer_picks=layers, decisions=[problem.decisions(p) for p in layers],
         predicted_memory_bytes=memory, predicted_time_s=problem.total_time(layers, chain_aware=chain_aware),
         status=status, solve_time_s=time.perf_counter() - t0, chain_aware=chain_aware,
-        heterogeneous=heterogeneous, extra=extra or {},
+        heterogeneous=heterogeneous, extra=extra or {}, backend=backend,
     )

@@ -9,7 +9,7 @@ choice k"; an edge ``(j, k) -> (j', k')`` recomputes the ops between them as one
 variables with flow conservation (one unit from source to sink) pick the path; an edge carries its exact
 segment cost, the stored choice's time and memory, and the bytes both hold at each backward stage. The flow
 polytope is integral, so the only non-network constraints are the memory bounds (eq. 7-8 at the start of
-backward and at each of the layer's backward stages), which keeps CBC fast.
+backward and at each of the layer's backward stages), which keeps the solver fast.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from megatron_adacc.adacc.policy.strategies.base import (
     finish_uniform,
     memory_unit,
     prefer_stock,
-    run_cbc,
+    run_milp,
+    select_backend,
 )
 
 NAME = "chain_aware"
@@ -70,11 +71,13 @@ def _edges(problem: Problem) -> list[tuple[object, object, float, float, dict[in
 def solve(problem: Problem) -> SolveResult:
     t0 = time.perf_counter()
     room = check_budget(problem, stash=True)
-    picks = prefer_stock(problem, _solve(problem, _edges(problem), room), chain_aware=True)
-    return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=True)
+    backend = select_backend()
+    picks = prefer_stock(problem, _solve(problem, _edges(problem), room, backend), chain_aware=True)
+    return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=True,
+                          backend=backend)
 
 
-def _solve(problem: Problem, edges: list, room: float | None) -> list[int] | None:
+def _solve(problem: Problem, edges: list, room: float | None, backend: str) -> list[int] | None:
     """The flow MILP: one unit of flow from source to sink picks the layer's path of stored ops."""
     unit = memory_unit(room)
     prob = pulp.LpProblem("adacc_chain_aware", pulp.LpMinimize)
@@ -98,7 +101,7 @@ def _solve(problem: Problem, edges: list, room: float | None) -> list[int] | Non
             for s, nbytes in stages.items():
                 by_stage[s].append(nbytes / unit * v)
         add_memory_bounds(prob, problem, room, stored, [pulp.lpSum(terms) for terms in by_stage])
-    if run_cbc(prob) != "Optimal":
+    if run_milp(prob, backend) != "Optimal":
         return None
     chosen = {tail: (head, p) for (tail, head, _, _, _, p), v in zip(edges, e) if (v.value() or 0) > 0.5}
     picks: list[int] = []

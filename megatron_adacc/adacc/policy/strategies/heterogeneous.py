@@ -14,9 +14,9 @@ That integer program is a cardinality-constrained knapsack whose optimality proo
 1. every mix of at most two Pareto policies, exactly and in closed form (for a leaner policy p and a
    richer q, the most q-layers that fit); the LP relaxation's optimum is such a mix, so this is the
    rounding of the relaxation and already contains every uniform policy;
-2. the MILP in CBC over the policies whose backward excess is no larger than step 1's answer's (so the
+2. the MILP (HiGHS or CBC) over the policies whose backward excess is no larger than step 1's answer's (so the
    transient term is a constant), warm-started from step 1, within ``time_limit_s``; its answer replaces step 1's
-   when it is better. ``status`` is ``Optimal`` when CBC proved optimality and that restriction excluded
+   when it is better. ``status`` is ``Optimal`` when the solver proved optimality and that restriction excluded
    no policy, else ``Feasible``.
 """
 
@@ -29,7 +29,15 @@ import pulp
 
 from megatron_adacc.adacc.policy.cost_model import Problem
 from megatron_adacc.adacc.policy.pareto import ParetoPoint, pareto_front
-from megatron_adacc.adacc.policy.strategies.base import MS, SolveResult, cbc, check_budget, finish, memory_unit
+from megatron_adacc.adacc.policy.strategies.base import (
+    MS,
+    SolveResult,
+    check_budget,
+    finish,
+    memory_unit,
+    run_milp,
+    select_backend,
+)
 
 NAME = "heterogeneous"
 DEFAULT_TIME_LIMIT_S = 0.15
@@ -70,7 +78,7 @@ def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float |
 
 def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S
           ) -> SolveResult:
-    """``time_limit_s=None`` lets CBC run until it proves optimality (small problems, tests)."""
+    """``time_limit_s=None`` lets the MILP solver run until it proves optimality (small problems, tests)."""
     t0 = time.perf_counter()
     room = check_budget(problem, stash=chain_aware)
     unit = memory_unit(room)
@@ -80,7 +88,9 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
     counts = best_two_policy_mix(front, L, room, W)
     status = "Optimal" if counts else "Infeasible"
     proven = False
+    backend = None
     if counts and len(front) > 2 and room is not None:
+        backend = select_backend()
         prob = pulp.LpProblem("adacc_heterogeneous", pulp.LpMinimize)
         # The transient is fixed at step 1's (the largest backward excess among its policies, or the
         # workspace): only policies with no larger excess are offered, so the bound stays a plain
@@ -94,9 +104,9 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
                  "memory")
         for v, c in zip(n, counts):
             v.setInitialValue(c)
-        prob.solve(cbc(warmStart=True, timeLimit=time_limit_s))
-        if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            proven = prob.sol_status == pulp.LpSolutionOptimal and all(pt.excess_bytes <= peak for pt in front)
+        milp_status = run_milp(prob, backend, time_limit_s=time_limit_s, warm_start=True)
+        if milp_status in ("Optimal", "Feasible"):
+            proven = milp_status == "Optimal" and all(pt.excess_bytes <= peak for pt in front)
             milp = [int(round(v.value() or 0)) for v in n]
             if sum(milp) == L and _time(front, milp) < _time(front, counts) - 1e-12 and \
                     _memory(front, milp, W) <= room:
@@ -109,10 +119,10 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
         layers.extend([list(front[p].picks)] * (counts[p] if counts else 0))
     name = NAME + ("+chain_aware" if chain_aware else "")
     if counts and not proven:
-        status = "Feasible"  # best found within the time limit; CBC did not prove optimality
+        status = "Feasible"  # best found within the time limit; the solver did not prove optimality
     return finish(problem, name, layers, status, t0, chain_aware=chain_aware, heterogeneous=True,
                   extra={"pareto_points": len(front), "proven_optimal": proven,
-                         "distinct_layer_policies": sum(1 for c in counts if c)})
+                         "distinct_layer_policies": sum(1 for c in counts if c)}, backend=backend)
 
 
 def _time(front: list[ParetoPoint], counts: list[int]) -> float:

@@ -16,7 +16,8 @@ from megatron_adacc.adacc.policy.strategies.base import (
     memory_unit,
     picked,
     prefer_stock,
-    run_cbc,
+    run_milp,
+    select_backend,
 )
 
 NAME = "paper"
@@ -26,11 +27,13 @@ def solve(problem: Problem) -> SolveResult:
     """Minimize sum_i T_comp_i R_i0 + (T_c_i + T_dc_i) R_i1 (eq. 4) subject to eq. 5-8 and the backward stages."""
     t0 = time.perf_counter()
     room = check_budget(problem)
-    picks = prefer_stock(problem, _solve(problem, room), chain_aware=False)
-    return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=False)
+    backend = select_backend()
+    picks = prefer_stock(problem, _solve(problem, room, backend), chain_aware=False)
+    return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=False,
+                          backend=backend)
 
 
-def _solve(problem: Problem, room: float | None) -> list[int] | None:
+def _solve(problem: Problem, room: float | None, backend: str) -> list[int] | None:
     unit = memory_unit(room)
     prob = pulp.LpProblem("adacc_paper", pulp.LpMinimize)
     # R_{i,t}: one binary per op and choice; choices carry their own action (recompute/compress/keep).
@@ -53,7 +56,7 @@ def _solve(problem: Problem, room: float | None) -> list[int] | None:
         stages = [pulp.lpSum(terms) + _recomputed_at(prob, problem, x, rec, s, unit)
                   for s, terms in enumerate(by_stage)]
         add_memory_bounds(prob, problem, room, stored, stages)  # eq. 7-8 with the backward stages
-    status = run_cbc(prob)
+    status = run_milp(prob, backend)
     return picked(x) if status == "Optimal" else None
 
 
