@@ -2,9 +2,10 @@
 stochastic quantizer.
 
     codec = get_codec("int4_outlier", z_threshold=3.0)
-    packed = codec.compress(x)          # raises NonFiniteInputError on NaN/Inf: keep x instead
+    packed = codec.compress(x)          # never reads a device value (no host sync on a GPU)
     packed.nbytes                       # exact bytes held
-    x_hat = codec.decompress(packed)    # same shape, dtype and device as x
+    packed.raise_if_nonfinite()         # NonFiniteInputError if x held NaN/Inf (reads the device flag)
+    x_hat = codec.decompress(packed)    # same shape, dtype and device as x; NaN first if x held NaN/Inf
 
 Kernels come from the compiled ``megatron_adacc._C`` (see `backend`); `reference` holds the pure-torch
 oracle of each. Set ``ADACC_REQUIRE_EXT=1`` to make a missing extension an import error.

@@ -4,6 +4,11 @@ A `Packed` holds only the storages the codec keeps (packed payload, scales, outl
 Python values needed to restore the original tensor (shape, dtype, device, codec parameters). It never
 references the input tensor of a lossy codec, so the caller can free the activation as soon as
 `compress` returns.
+
+Neither call reads a device value on the host (each would stop a GPU's launch queue): what a codec finds in the
+data stays on the device in `Packed.found` (the NaN/Inf flag, how many outlier channels), for the caller to read
+when it reads anyway. A tensor that held NaN/Inf is compressed as it is and decompresses with a NaN in its first
+element, so nothing computed from it passes for finite (`Packed.raise_if_nonfinite` reads the flag at once).
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ codecs). Without the flush, ``1 / scale`` overflows for groups whose values are 
 
 
 class NonFiniteInputError(AdaccError, ValueError):
-    """The tensor holds NaN or Inf; the caller should keep it uncompressed.
+    """The tensor held NaN or Inf (raised by `Packed.raise_if_nonfinite`).
 
-    Quantization of a group that contains a NaN or an infinity would scale every other value in the group
-    to zero or NaN, silently corrupting the gradients computed from the decompressed activation.
+    Quantization of a group that contains a NaN or an infinity scales every other value in the group to zero,
+    NaN or a wrong finite value; the decompressed tensor is therefore marked with a NaN (see the module).
     """
 
 
@@ -39,10 +44,12 @@ class Packed:
     """A compressed tensor: the storages a codec keeps and what it needs to restore the original.
 
     ``tensors`` maps names to the tensors actually kept; ``nbytes`` is the exact number of bytes of
-    their storages. ``meta`` holds small Python values (group size, bit width, seed...).
+    their storages. ``meta`` holds small Python values (group size, bit width, seed...). ``found`` holds what
+    the codec found in the data as one-element device tensors, never read by the codec: ``"nonfinite"`` (non-zero
+    when the input held NaN/Inf) and, for the outlier codec, ``"outlier_channels"``; not part of ``nbytes``.
     """
 
-    __slots__ = ("codec", "shape", "dtype", "device", "tensors", "meta")
+    __slots__ = ("codec", "shape", "dtype", "device", "tensors", "meta", "found")
 
     def __init__(
         self,
@@ -52,6 +59,7 @@ class Packed:
         device: torch.device,
         tensors: Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None = None,
+        found: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.codec = codec
         self.shape = torch.Size(shape)
@@ -59,6 +67,22 @@ class Packed:
         self.device = device
         self.tensors = dict(tensors)
         self.meta = dict(meta or {})
+        self.found = dict(found or {})
+
+    @property
+    def nonfinite(self) -> torch.Tensor | None:
+        """The codec's NaN/Inf flag (a one-element device tensor, non-zero when the input held NaN/Inf)."""
+        return self.found.get("nonfinite")
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise `NonFiniteInputError` when the input held NaN/Inf. Reads the flag: a host sync on a GPU, for
+        callers outside training (training tells the flags once per step: `core.saved.NONFINITE`)."""
+        flag = self.nonfinite
+        if flag is not None and int(flag.reshape(-1)[0].item()):
+            raise NonFiniteInputError(
+                f"{self.codec} codec: the input held NaN or Inf; its decompressed tensor is marked with a NaN "
+                "(quantizing it corrupts every value of its group)"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +114,7 @@ class Codec(ABC):
 
     @abstractmethod
     def compress(self, x: torch.Tensor) -> Packed:
-        """Compress ``x`` (any shape and strides). Raises `NonFiniteInputError` on NaN/Inf input."""
+        """Compress ``x`` (any shape and strides). NaN/Inf input is flagged in ``found`` (see the module)."""
 
     @abstractmethod
     def decompress(self, p: Packed) -> torch.Tensor:
@@ -115,6 +139,14 @@ class Codec(ABC):
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def mark_nonfinite(out: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
+    """``out`` with its first element NaN where ``flag`` is set (a decompressed tensor whose input held NaN/Inf),
+    in place and without reading the flag; other values, signed zeros included, are left as they are."""
+    if flag is not None and out.numel():
+        out.view(-1)[:1].masked_fill_(flag.reshape(1) != 0, float("nan"))
+    return out
 
 
 def check_float_input(codec: str, x: torch.Tensor) -> None:

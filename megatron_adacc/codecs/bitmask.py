@@ -14,7 +14,8 @@ class BitmaskCodec(Codec):
     """Packs a bool or 0/1 uint8 tensor to one bit per value (little-endian within each byte).
 
     Size: ``ceil(n / 8)`` bytes. A uint8 value other than 0 or 1 raises `ValueError`, because packing it
-    to one bit would not be lossless (the check runs inside the packing pass).
+    to one bit would not be lossless (the packing pass finds it; reading its answer is a host sync on a GPU,
+    so a bool mask, which holds nothing else, is packed without one: what the training hooks pass).
     """
 
     name = "bitmask"
@@ -33,7 +34,7 @@ class BitmaskCodec(Codec):
             )
         x = x.detach()
         payload, bad = self._k.bitmask_pack(x.contiguous().view(-1))
-        if int(bad.item()):
+        if x.dtype == torch.uint8 and int(bad.item()):
             raise ValueError(
                 "bitmask codec: the uint8 mask holds values other than 0 and 1, which one bit cannot "
                 "store losslessly; pass a bool mask or use the 'keep' codec"

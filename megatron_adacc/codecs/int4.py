@@ -19,23 +19,14 @@ import torch
 
 from megatron_adacc.codecs.base import (
     Codec,
-    NonFiniteInputError,
     Packed,
     _itemsize,
     check_float_input,
+    mark_nonfinite,
     packed_group_bytes,
     rows_cols,
 )
-from megatron_adacc.codecs.reference import select_outlier_channels
-
-
-def raise_if_bad(codec: str, bad: torch.Tensor) -> None:
-    """Turn the kernel's NaN/Inf flag into `NonFiniteInputError` (one host sync on CUDA)."""
-    if int(bad.item()):
-        raise NonFiniteInputError(
-            f"{codec} codec: the input holds NaN or Inf; keep this tensor uncompressed "
-            "(quantizing it would corrupt every value of its group)"
-        )
+from megatron_adacc.codecs.reference import select_outlier_channels, top_outlier_channels
 
 
 def resolve_group(group: str | int, shape: torch.Size | tuple[int, ...]) -> int:
@@ -92,14 +83,14 @@ class Int4SymmetricCodec(_GroupedInt4):
         x = x.detach()
         g = resolve_group(self.group, x.shape)
         payload, scales, bad = self._k.sym_int4_compress(x.contiguous().view(-1), g)
-        raise_if_bad(self.name, bad)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "scales": scales}, {"group": g})
+        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "scales": scales}, {"group": g},
+                      {"nonfinite": bad})
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         out = torch.empty(p.numel, dtype=p.dtype, device=p.device)
         self._k.sym_int4_decompress(p.tensors["payload"], p.tensors["scales"], p.meta["group"], out)
-        return out.view(p.shape)
+        return mark_nonfinite(out, p.nonfinite).view(p.shape)
 
 
 class Int4AsymmetricCodec(_GroupedInt4):
@@ -124,16 +115,15 @@ class Int4AsymmetricCodec(_GroupedInt4):
         x = x.detach()
         g = resolve_group(self.group, x.shape)
         payload, scales, offsets, bad = self._k.asym_int4_compress(x.contiguous().view(-1), g)
-        raise_if_bad(self.name, bad)
         tensors = {"payload": payload, "scales": scales, "offsets": offsets}
-        return Packed(self.name, x.shape, x.dtype, x.device, tensors, {"group": g})
+        return Packed(self.name, x.shape, x.dtype, x.device, tensors, {"group": g}, {"nonfinite": bad})
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         out = torch.empty(p.numel, dtype=p.dtype, device=p.device)
         t = p.tensors
         self._k.asym_int4_decompress(t["payload"], t["scales"], t["offsets"], p.meta["group"], out)
-        return out.view(p.shape)
+        return mark_nonfinite(out, p.nonfinite).view(p.shape)
 
 
 class Int4ChannelwiseCodec(Codec):
@@ -158,14 +148,14 @@ class Int4ChannelwiseCodec(Codec):
         x = x.detach()
         rows, cols = rows_cols(x.shape)
         payload, scales, bad = self._k.chan_int4_compress(x.contiguous().view(rows, cols))
-        raise_if_bad(self.name, bad)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "scales": scales})
+        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "scales": scales},
+                      found={"nonfinite": bad})
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         out = torch.empty(rows_cols(p.shape), dtype=p.dtype, device=p.device)
         self._k.chan_int4_decompress(p.tensors["payload"], p.tensors["scales"], out)
-        return out.view(p.shape)
+        return mark_nonfinite(out, p.nonfinite).view(p.shape)
 
 
 class Int4OutlierCodec(Codec):
@@ -173,9 +163,18 @@ class Int4OutlierCodec(Codec):
 
     Channels (last dimension) whose Z-score of absolute sums (eq. 1) exceeds ``z_threshold`` are outliers:
     they are stored exactly, in the input dtype, with their int32 indices, and zeroed in the dense part,
-    which is quantized symmetrically per row in its original layout (no transpose). The selection is
-    `reference.select_outlier_channels`. Size, with ``k`` outlier channels:
-    ``rows * ceil(channels / 2) + 4 * rows + rows * k * itemsize + 4 * k``.
+    which is quantized symmetrically per row in its original layout (no transpose). Size, with ``k`` channels
+    stored exactly: ``rows * ceil(channels / 2) + 4 * rows + rows * k * itemsize + 4 * k``.
+
+    Which channels, two ways (``compress``'s ``capacity``):
+
+    * none given: exactly the outliers, `reference.select_outlier_channels`. Their number sizes the storage, so
+      the host reads it: a sync on a GPU, for profiling and one-off calls.
+    * ``capacity=k``: the ``k`` channels of largest Z-score, `reference.top_outlier_channels`, with no host read.
+      When at most ``k`` channels are outliers all of them are stored exactly, and the rest of the ``k`` too
+      (more accurate, never less); beyond ``k``, the smaller outliers are quantized with the dense part. The
+      count of outliers is in ``found["outlier_channels"]``, on the device, so the caller can size the next
+      call from it (Adacc's runtime: the previous step's count at the same place).
     """
 
     name = "int4_outlier"
@@ -196,25 +195,25 @@ class Int4OutlierCodec(Codec):
         k = int(num_outliers)
         return rows * -(-cols // 2) + 4 * rows + rows * k * _itemsize(dtype) + 4 * k
 
-    def compress(self, x: torch.Tensor) -> Packed:
+    def compress(self, x: torch.Tensor, capacity: int | None = None) -> Packed:
         check_float_input(self.name, x)
         x = x.detach()
         rows, cols = rows_cols(x.shape)
         x2 = x.contiguous().view(rows, cols)
         sums = self._k.channel_abs_sum(x2)
-        # The abs-sum pass doubles as the NaN/Inf check: any non-finite input makes its channel's sum
-        # non-finite, so only `cols` values need inspecting here.
-        if cols and not bool(torch.isfinite(sums).all()):
-            raise_if_bad(self.name, torch.ones(1, dtype=torch.int32))
-        idx = select_outlier_channels(sums, self.z_threshold)
-        payload, scales, outliers, bad = self._k.outlier_int4_compress(x2, idx)
-        raise_if_bad(self.name, bad)
+        found = {}
+        if capacity is None:
+            idx = select_outlier_channels(sums, self.z_threshold)
+        else:
+            idx, found["outlier_channels"] = top_outlier_channels(sums, self.z_threshold, capacity)
+        # NaN/Inf input: the kernel's flag, from the pass it makes anyway; the selection above is then arbitrary.
+        payload, scales, outliers, found["nonfinite"] = self._k.outlier_int4_compress(x2, idx)
         tensors = {"payload": payload, "scales": scales, "outliers": outliers, "index": idx}
-        return Packed(self.name, x.shape, x.dtype, x.device, tensors)
+        return Packed(self.name, x.shape, x.dtype, x.device, tensors, found=found)
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         out = torch.empty(rows_cols(p.shape), dtype=p.dtype, device=p.device)
         t = p.tensors
         self._k.outlier_int4_decompress(t["payload"], t["scales"], t["outliers"], t["index"], out)
-        return out.view(p.shape)
+        return mark_nonfinite(out, p.nonfinite).view(p.shape)

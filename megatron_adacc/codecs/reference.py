@@ -216,6 +216,26 @@ def select_outlier_channels(abs_sums: torch.Tensor, z_threshold: float) -> torch
     return torch.nonzero(z > z_threshold).reshape(-1).to(torch.int32)
 
 
+def top_outlier_channels(abs_sums: torch.Tensor, z_threshold: float, capacity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_outlier_channels` at a fixed size, with no host read: the ``min(capacity, channels)`` channels of
+    largest Z-score as sorted int32, and, as a 0-d int64 device tensor, how many channels that function selects
+    (Z-score above the threshold, sums not all alike). Those are the first of the Z-score order, so whenever
+    there are at most ``capacity`` of them every one is among the channels returned."""
+    c = abs_sums.numel()
+    k = max(0, min(int(capacity), c))
+    if c < 2:
+        return (torch.empty(0, dtype=torch.int32, device=abs_sums.device),
+                torch.zeros((), dtype=torch.int64, device=abs_sums.device))
+    mu = abs_sums.mean()
+    sigma = (abs_sums - mu).square().mean().sqrt()
+    z = (abs_sums - mu) / sigma
+    count = ((z > z_threshold) & (sigma > 1e-9 * mu.abs())).sum()
+    # NaN Z-scores (all sums alike, or non-finite ones) rank anywhere: those channels are then stored exactly.
+    idx = z.topk(k).indices.sort().values.to(torch.int32) if k else z.new_empty(0, dtype=torch.int32)
+    return idx, count
+
+
 def outlier_int4_compress(
     x: torch.Tensor, idx: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

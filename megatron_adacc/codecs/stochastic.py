@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.codecs.base import Codec, Packed, check_float_input, packed_group_bytes
-from megatron_adacc.codecs.int4 import raise_if_bad
+from megatron_adacc.codecs.base import Codec, Packed, check_float_input, mark_nonfinite, packed_group_bytes
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -22,10 +21,12 @@ class StochasticCodec(Codec):
     scale; codes are ``bits`` wide, packed per group from a byte boundary. Size:
     ``sum over groups of ceil(len * bits / 8) + 8 * ceil(n / group_size)``.
 
-    Randomness: one 64-bit seed per call, drawn from ``generator`` (or torch's default CPU generator, so
-    ``torch.manual_seed`` makes it reproducible), feeds a counter-based hash of each element's index; the
-    random stream is therefore identical on CPU, CUDA and in the reference, whatever the thread count.
-    Uniforms have 24 bits, so the rounding probability is within ``2**-24`` of ``frac(T)``.
+    Randomness: one seed per call feeds a counter-based hash of each element's index, so the random stream is
+    identical on CPU, CUDA and in the reference, whatever the thread count. The seed is a kernel argument, a
+    number on the host: ``seed`` when given (GACT derives one per tensor and iteration), else one drawn on the
+    host from ``generator`` (a CPU generator; torch's default one when None, so ``torch.manual_seed`` makes it
+    reproducible). No device value is read: a CUDA generator's draw would have to be (a sync on every call),
+    so it is refused. Uniforms have 24 bits, so the rounding probability is within ``2**-24`` of ``frac(T)``.
 
     Extremes: a range ``max - min`` beyond float32 (values of both signs past about 1.7e38) is worked out
     at a quarter of the values, so ``S`` is still the float32 value of ``range / (2**b - 1)`` and no code
@@ -48,26 +49,34 @@ class StochasticCodec(Codec):
     def params(self) -> dict[str, Any]:
         return {"bits": self.bits, "group_size": self.group_size}
 
-    def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Packed:
+    def compress(self, x: torch.Tensor, generator: torch.Generator | None = None, seed: int | None = None) -> Packed:
         check_float_input(self.name, x)
         x = x.detach()
-        gen_device = generator.device if generator is not None else torch.device("cpu")
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=gen_device).item())
+        if seed is None:
+            seed = draw_seed(generator)
         payload, mins, scales, bad = self._k.stochastic_compress(
-            x.contiguous().view(-1), self.group_size, self.bits, seed
+            x.contiguous().view(-1), self.group_size, self.bits, int(seed)
         )
-        raise_if_bad(self.name, bad)
         tensors = {"payload": payload, "mins": mins, "scales": scales}
-        meta = {"group": self.group_size, "bits": self.bits, "seed": seed}
-        return Packed(self.name, x.shape, x.dtype, x.device, tensors, meta)
+        meta = {"group": self.group_size, "bits": self.bits, "seed": int(seed)}
+        return Packed(self.name, x.shape, x.dtype, x.device, tensors, meta, {"nonfinite": bad})
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         out = torch.empty(p.numel, dtype=p.dtype, device=p.device)
         t = p.tensors
         self._k.stochastic_decompress(t["payload"], t["mins"], t["scales"], p.meta["group"], p.meta["bits"], out)
-        return out.view(p.shape)
+        return mark_nonfinite(out, p.nonfinite).view(p.shape)
 
     def compressed_nbytes(self, shape, dtype, **data_dependent: Any) -> int:  # noqa: ANN001
         n = math.prod(shape)
         return packed_group_bytes(n, self.group_size, self.bits) + 8 * -(-n // self.group_size)
+
+
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A seed in ``[0, 2**62)`` drawn from a CPU ``generator`` (torch's default one when None), on the host."""
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(f"stochastic codec: draw seeds from a CPU generator or pass seed=; drawing one from a "
+                         f"{generator.device.type} generator would make the host wait for the device at every call")
+    # No device argument: the draw is CPU work whatever device the tensor is on.
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from megatron_adacc.comm.megatron_ddp import MegatronAttachment, attach
 from megatron_adacc.comm.options import DEFAULTS, ReducerOptions
 from megatron_adacc.comm.pipeline import build_reducer
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
+from megatron_adacc.core.log import get_logger
 from megatron_adacc.core.saved import unique_storage_bytes
 
 
@@ -89,9 +89,9 @@ class ResiReduceExtension(TrainingExtension):
         self.attachment = attach(ctx.ddp_model, reducer)
         self.ctx = ctx
         if self.world == 1:
-            print(f"[resireduce] one process: nothing is communicated, but gradients are still compressed with "
-                  f"error feedback ({self.scheme}, {self.compressor_name}), so training differs from "
-                  "--resireduce off", file=sys.stderr, flush=True)
+            get_logger("resireduce").info(
+                f"one process: nothing is communicated, but gradients are still compressed with error feedback "
+                f"({self.scheme}, {self.compressor_name}), so training differs from --resireduce off")
 
     def on_step_end(self, iteration: int, loss: float) -> None:
         if self.attachment is not None:

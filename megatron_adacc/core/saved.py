@@ -1,11 +1,11 @@
 """What every saved-tensor hook of megatron-adacc shares: which tensors to leave alone, storing a tensor once,
-packing dropout masks, falling back on tensors a codec refuses, and counting the bytes of distinct storages.
+packing dropout masks, noting the NaN/Inf flags codecs return, and counting the bytes of distinct storages.
 
 :class:`SavedTensorStore` is the pack/unpack pair for ``torch.autograd.graph.saved_tensors_hooks``; Adacc's
 runtime (one layer forward under a policy), GACT's compressor and the saved-tensor meter specialise it.
 :func:`unique_storage_bytes` is the one way bytes are counted: by distinct storage, so views of one tensor,
-or a tensor saved twice, count once. :data:`NONFINITE` counts, and reports as they happen, the tensors kept
-uncompressed because they held NaN/Inf.
+or a tensor saved twice, count once. :data:`NONFINITE` collects the codecs' NaN/Inf flags on the device and
+tells, once the step is over, the tensors that held NaN/Inf.
 
 The mask packer and the compressor are hooks of the subclass rather than code here: core imports no other
 package of megatron-adacc, and the features pack masks with the codecs' compiled 1-bit kernel (Adacc also
@@ -14,7 +14,6 @@ routes CPU dropout's float multipliers through it), which a pure-torch copy here
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from collections.abc import Hashable, Iterable
@@ -23,7 +22,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["NONFINITE", "CountedStorage", "NonFiniteFallbacks", "SavedHandle", "SavedTensorStore", "storage_ptr",
+from megatron_adacc.core.log import get_logger
+from megatron_adacc.core.step_end import STEP_END
+
+__all__ = ["NONFINITE", "CountedStorage", "NonFiniteActivations", "SavedHandle", "SavedTensorStore", "storage_ptr",
            "tensor_key", "unique_storage_bytes"]
 
 
@@ -59,40 +61,104 @@ def unique_storage_bytes(tensors: Iterable[Any], seen: set[int] | None = None) -
     return total
 
 
-class NonFiniteFallbacks:
-    """The process's count of floating tensors a codec refused for NaN/Inf, kept uncompressed instead, told as it
-    happens: one line on rank 0 at the first fallback of a step, naming where it happened and the count so far.
-    The run's summary gives the total only at the end, long after the step where the values went bad.
+class NonFiniteActivations:
+    """Saved tensors that held NaN/Inf, found on the device and told once the step is over.
 
-    Rate-limited (a line per step at most, and one per :attr:`interval_s`): a model that saves an infinite value
-    on purpose (a -inf attention mask) would otherwise print at every micro-batch.
+    A codec compresses whatever it is given: its kernel finds NaN/Inf in the min/max pass it runs anyway and
+    returns a one-element device flag, and the tensor it decompresses then carries a NaN, so that the gradients
+    computed from it are NaN and the host's NaN handling (``adacc train --on-nonfinite``, Megatron's NaN checks)
+    skips or stops the step: nothing is silently corrupted. A NaN activation already makes the step's gradients
+    NaN, so deferring the check loses nothing, while reading each flag where it is made would stop a GPU's launch
+    queue at every saved tensor.
+
+    :meth:`note` keeps the flag with where it came from, and no host read: the flags are a
+    :class:`~megatron_adacc.core.step_end.StepEndSource`, read by the host with its own per-step read. The first
+    flagged tensor of a step is told in one line on rank 0, naming the layer and op, with the counts; rate-limited
+    (a line per step at most, and one per :attr:`interval_s`): a model that saves an infinite value on purpose
+    (a -inf attention mask) would otherwise print at every step. :meth:`clean` is the step's verdict as a device
+    bool, for a host that decides whether to apply the step before it reads anything.
     """
+
+    #: Notes of a step kept one by one; beyond, their flags are merged and the extra ones named as a count.
+    MAX_NOTES = 1 << 16
+    #: Flags are concatenated in chunks of this many, so a step holds few small tensors.
+    CHUNK = 256
 
     def __init__(self, interval_s: float = 30.0):
         self.interval_s = interval_s
         self.reset()
 
     def reset(self) -> None:
-        """A new run: no fallbacks yet, no step begun, nothing told."""
+        """A new run: nothing noted or found yet, no step begun, nothing told."""
         self.total = 0
+        """Saved tensors found holding NaN/Inf this run (known once their step is settled)."""
+        self.last_step = 0
+        """How many the last settled step had."""
         self.step: int | None = None
         self._told: tuple[int | None, float] | None = None
+        self._chunks: list[torch.Tensor] = []
+        self._flags: list[torch.Tensor] = []
+        self._where: list[Any] = []
+        self._merged: torch.Tensor | None = None
+        self._merged_count = 0
 
     def begin_step(self, step: int) -> None:
         """The host's iteration, which the next line names (a host that never says has lines without one)."""
         self.step = step
 
-    def note(self, where: str) -> None:
-        """One more tensor kept for NaN/Inf, at ``where`` (layer, op, shape: what the store knows)."""
-        self.total += 1
+    def note(self, flag: torch.Tensor, where: Any) -> None:
+        """Keep a codec's flag (a one-element device tensor, non-zero for NaN/Inf) and where its tensor came
+        from: a string, or a callable formatting one only if the flag turns out set. Nothing is read."""
+        flag = flag.reshape(1)
+        if len(self._where) >= self.MAX_NOTES:
+            self._merged = flag if self._merged is None else torch.maximum(self._merged, flag)
+            self._merged_count += 1
+            return
+        self._flags.append(flag)
+        self._where.append(where)
+        if len(self._flags) == self.CHUNK:
+            self._chunks.append(torch.cat(self._flags).to(torch.int32))
+            self._flags = []
+
+    def _vector(self) -> torch.Tensor | None:
+        parts = self._chunks + ([torch.cat(self._flags).to(torch.int32)] if self._flags else [])
+        if self._merged is not None:
+            parts.append(self._merged.to(torch.int32))
+        return torch.cat(parts) if parts else None
+
+    def clean(self) -> torch.Tensor | None:
+        """A device bool: no tensor noted since the last :meth:`take` held NaN/Inf (None: none noted)."""
+        vector = self._vector()
+        return None if vector is None else vector.eq(0).all()
+
+    # -- a StepEndSource
+    def take(self) -> tuple[torch.Tensor, Any] | None:
+        """The step's flags, in the order noted, and their places (see :class:`~.step_end.StepEndSource`)."""
+        vector = self._vector()
+        taken = (self._where, self._merged_count)
+        self._chunks, self._flags, self._where, self._merged, self._merged_count = [], [], [], None, 0
+        return None if vector is None else (vector, taken)
+
+    def settle(self, taken: Any, values: list[int]) -> None:
+        """Count the flagged tensors of the step and tell the first one (see the class)."""
+        where, merged = taken
+        bad = [i for i, v in enumerate(values) if v]  # a set merged flag (past ``where``) counts once
+        self.last_step = len(bad)
+        if not bad:
+            return
+        self.total += self.last_step
         now = time.monotonic()
         if self._told is not None and (self._told[0] == self.step or now - self._told[1] < self.interval_s):
             return
         self._told = (self.step, now)
+        first = where[bad[0]] if bad[0] < len(where) else f"one of {merged} tensors noted late in the step"
+        first = first() if callable(first) else first
         if _rank() == 0:
             at = "" if self.step is None else f"iteration {self.step}: "
-            print(f"[adacc] {at}NaN/Inf in a saved activation ({where}), kept uncompressed; {self.total} so far "
-                  f"this run (told at most once a step and every {self.interval_s:g} s)", file=sys.stderr, flush=True)
+            get_logger().warning(
+                f"{at}NaN/Inf in a saved activation ({first}): compressed as it was, it decompresses with a NaN, "
+                f"so the step's gradients are NaN; {self.last_step} such tensor(s) this step, {self.total} this run "
+                f"(told at most once a step and every {self.interval_s:g} s)")
 
 
 def _rank() -> int:
@@ -100,8 +166,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-#: The process's :class:`NonFiniteFallbacks`: every :class:`SavedTensorStore` adds to it.
-NONFINITE = NonFiniteFallbacks()
+#: The process's :class:`NonFiniteActivations`: every :class:`SavedTensorStore` notes its codecs' flags here.
+NONFINITE = STEP_END.register(NonFiniteActivations())
 
 
 class SavedHandle:
@@ -133,19 +199,16 @@ class SavedTensorStore:
     stores each tensor once (:meth:`dedup_key`) through :meth:`store_tensor`, which classifies it:
 
     * a ``bool`` tensor (a dropout mask) goes to :meth:`pack_mask`, the subclass's lossless 1-bit packer;
-    * a floating tensor goes to :meth:`compress`, which returns a packed handle or None to keep it; an
-      exception in :attr:`fallback_errors` (NaN/Inf the codec refuses) keeps it too, counted in
-      :attr:`fallbacks`;
+    * a floating tensor goes to :meth:`compress`, which returns a packed handle or None to keep it, and hands
+      its codec's NaN/Inf flag to :meth:`note_nonfinite` (never read here: see :class:`NonFiniteActivations`);
     * anything else (indices) is kept.
 
     A kept tensor is stored by reference: the hook returns the tensor itself. Subclasses that need context
     (the op a tensor belongs to) pass it to :meth:`save` and receive it back in the two hooks.
     """
 
-    fallback_errors: tuple[type[BaseException], ...] = ()
-    """Exceptions of :meth:`compress` meaning "this tensor cannot be compressed, keep it as it is"."""
     site: str = ""
-    """The part of the model the store serves (Adacc's runtime: one layer), for the line reporting a fallback."""
+    """The part of the model the store serves (Adacc's runtime: one layer), for the line telling a NaN/Inf."""
     weak_dedup: bool = True
     """Whether a stored copy serves a later tensor only while the first tensor is alive. Needed when tensors
     die during the store's life (their memory, and so their key, may be reused); a subclass that retires
@@ -155,8 +218,6 @@ class SavedTensorStore:
         self.model_storages: set[int] = set()
         """Storages of parameters and buffers, which are never stored or counted."""
         self.set_model_tensors(model_tensors)
-        self.fallbacks = 0
-        """Tensors kept because :meth:`compress` raised one of :attr:`fallback_errors` (since :meth:`clear`)."""
         self.dedup_hits = 0
         """Saves answered with an earlier stored copy (since :meth:`clear`)."""
         self.storages: dict[int, CountedStorage] = {}
@@ -217,23 +278,34 @@ class SavedTensorStore:
         if t.dtype is torch.bool:
             stored = self.pack_mask(t, *context)
         elif t.is_floating_point():
-            try:
-                stored = self.compress(t, *context)
-            except self.fallback_errors:
-                # Quantizing NaN/Inf would poison its whole group: keep the tensor exact (the loss scaler
-                # then sees the overflow, as it would without compression).
-                self.fallbacks += 1
-                NONFINITE.note(self.fallback_site(t, *context))
-                stored = None
+            stored = self.compress(t, *context)
         else:
             stored = None
         return t if stored is None else stored
 
-    def fallback_site(self, t: torch.Tensor, *context: Any) -> str:
-        """Where ``t``, kept for NaN/Inf, comes from: :attr:`site`, the op if the context names one, the tensor."""
-        op = next((c for c in context if isinstance(c, str)), None)
-        tensor = f"{str(t.dtype).removeprefix('torch.')} {'x'.join(map(str, t.shape)) or 'scalar'}"
-        return ", ".join(part for part in (self.site, op and f"op {op}", tensor) if part)
+    def note_nonfinite(self, flag: torch.Tensor | None, t: torch.Tensor, *context: Any) -> None:
+        """Hand the NaN/Inf flag a codec returned for ``t`` to :data:`NONFINITE`, with where ``t`` comes from,
+        formatted only if the flag turns out set (nothing is read here, and ``t`` is not kept)."""
+        if flag is None:
+            return
+        site, op = self.site_key(), next((c for c in context if isinstance(c, str)), None)
+        dtype, shape, describe = t.dtype, tuple(t.shape), type(self).describe_site
+        NONFINITE.note(flag, lambda: describe(site, op, dtype, shape))
+
+    def site_key(self) -> Any:
+        """What names :attr:`site`, cheap to get at every saved tensor (:meth:`format_site` formats it)."""
+        return self.site
+
+    @classmethod
+    def format_site(cls, key: Any) -> str:
+        """The site named by :meth:`site_key`'s ``key``."""
+        return str(key or "")
+
+    @classmethod
+    def describe_site(cls, key: Any, op: str | None, dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+        """Where a tensor comes from: the store's site, the op if the context names one, the tensor."""
+        tensor = f"{str(dtype).removeprefix('torch.')} {'x'.join(map(str, shape)) or 'scalar'}"
+        return ", ".join(part for part in (cls.format_site(key), op and f"op {op}", tensor) if part)
 
     def forget(self, ptr: int) -> None:
         """Retire every stored copy of storage ``ptr`` (it is being freed, and its address may be reused)."""
@@ -244,7 +316,6 @@ class SavedTensorStore:
         """Drop every stored copy (releasing the store's references to them), the ledger and the counters."""
         self._dedup.clear()
         self.storages.clear()
-        self.fallbacks = 0
         self.dedup_hits = 0
 
     # ------------------------------------------------------------------ accounting

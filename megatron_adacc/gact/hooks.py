@@ -11,7 +11,8 @@ What is packed how:
 * parameters and module buffers (matched by storage, or any ``Parameter``), and integer tensors: kept as they are;
 * ``bool`` tensors (dropout masks): 1 bit per value with the ``bitmask`` codec (lossless);
 * floating tensors of at least ``min_numel`` values: the ``stochastic`` per-group quantizer at the bit width
-  the controller chose for that tensor (32 bits = kept); NaN/Inf ones are kept (``PassStats.nonfinite_fallbacks``);
+  the controller chose for that tensor (32 bits = kept); NaN/Inf ones are compressed too, their flags told once
+  the step is over (:data:`~megatron_adacc.core.saved.NONFINITE`), and they decompress with a NaN;
 * a tensor saved by several ops (same storage, offset, shape, stride, dtype and version counter) is packed
   once and the packed object shared, as GACT's footprint de-duplication does. Liveness is checked with a
   weak reference, so a freed tensor whose memory is reused is never mistaken for the old one.
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.codecs import NonFiniteInputError, get_codec
+from megatron_adacc.codecs import get_codec
 from megatron_adacc.core.saved import SavedHandle, SavedTensorStore
 from megatron_adacc.gact.allocation import KEEP_BITS
 
@@ -83,8 +84,6 @@ class PassStats:
     mask_tensors: int = 0
     dedup_hits: int = 0
     """Saves answered with a tensor already stored in this pass (filled when the pass ends)."""
-    nonfinite_fallbacks: int = 0
-    """Floating tensors kept because they held NaN/Inf (also part of ``kept_tensors``)."""
 
 
 class CompressedSavedTensor(SavedHandle):
@@ -140,7 +139,7 @@ class SavedTensorCompressor(SavedTensorStore):
     sensitivity probes can change one tensor's seed without touching this class.
     """
 
-    fallback_errors = (NonFiniteInputError,)
+    site = "GACT"
 
     def __init__(
         self,
@@ -236,7 +235,6 @@ class SavedTensorCompressor(SavedTensorStore):
         finally:
             self._depth = 0
             self.stats.dedup_hits = self.dedup_hits
-            self.stats.nonfinite_fallbacks = self.fallbacks
             self.clear()  # the de-dup table references packed tensors: they must die with the graph
             self.passes += 1
             if self.recording:
@@ -306,5 +304,6 @@ class SavedTensorCompressor(SavedTensorStore):
             return None
         codec = self.codec("stochastic", bits=int(bits), group_size=self.group_size)
         payload = self._compress_seeded(codec, x.detach(), self.seed_for(tid))
+        self.note_nonfinite(getattr(payload, "nonfinite", None), x)
         self.stats.compressed_tensors += 1
         return CompressedSavedTensor(codec, payload, x, tid, int(bits))

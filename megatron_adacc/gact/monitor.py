@@ -24,7 +24,9 @@ class GradientVarianceMonitor:
     """Running estimate of the gradient's variance across steps, ``E||g - E g||^2``.
 
     Bias-corrected exponential moving averages of the gradient (one buffer per parameter) and of
-    ``||g - mean||^2``, as GACT's a-posteriori failure check does.
+    ``||g - mean||^2``, as GACT's a-posteriori failure check does. The second stays on the gradients' device
+    (float64, the same arithmetic as Python floats): :meth:`update` runs at every step and reads nothing, and
+    :attr:`variance` is read only when an adaptation checks it.
     """
 
     def __init__(self, momentum: float = 0.9):
@@ -33,7 +35,7 @@ class GradientVarianceMonitor:
         self.momentum = momentum
         self._mean: list[torch.Tensor | None] = []
         self._corr = 0.0
-        self._var = 0.0
+        self._var: float | torch.Tensor = 0.0
         self.observations = 0
 
     def update(self, params: Sequence[torch.Tensor]) -> None:
@@ -44,7 +46,7 @@ class GradientVarianceMonitor:
         if not self._mean:
             self._mean = [None] * len(params)
         self._corr = self._corr * m + (1 - m)
-        dist = 0.0
+        dist: float | torch.Tensor = 0.0
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -53,13 +55,13 @@ class GradientVarianceMonitor:
                 self._mean[i] = torch.zeros_like(g, dtype=torch.float32)
             buf = self._mean[i]
             buf.mul_(m).add_(g.float(), alpha=1 - m)
-            dist += float(torch.linalg.vector_norm(buf / self._corr - g.float(), dtype=torch.float64) ** 2)
+            dist = dist + torch.linalg.vector_norm(buf / self._corr - g.float(), dtype=torch.float64) ** 2
         self._var = self._var * m + (1 - m) * dist
         self.observations += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": [None if b is None else b.clone() for b in self._mean], "corr": self._corr,
-                "var": self._var, "observations": self.observations}
+                "var": float(self._var), "observations": self.observations}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._mean = [None if b is None else b.clone() for b in state["mean"]]
@@ -68,7 +70,8 @@ class GradientVarianceMonitor:
 
     @property
     def variance(self) -> float:
-        return self._var / self._corr if self._corr else 0.0
+        """The estimate (reads it from the device)."""
+        return float(self._var) / self._corr if self._corr else 0.0
 
     def check(self, predicted: float | None, microbatches_per_step: int, warn_ratio: float, warmup: int,
               stacklevel: int = 2) -> None:

@@ -40,7 +40,7 @@ from types import ModuleType
 from typing import Any
 
 from megatron_adacc.core import features as core_features
-from megatron_adacc.core import patching
+from megatron_adacc.core import log, patching
 from megatron_adacc.core.errors import AdaccError, debug_asked, refusal_line
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.core.features import Feature, build_extensions
@@ -70,13 +70,44 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
+def _nonfinite() -> Any:
+    from megatron_adacc.core.saved import NONFINITE  # torch: only once a feature is on
+
+    return NONFINITE
+
+
+def _settle_after_failure() -> None:
+    """A step that raised (Megatron refusing a NaN loss or gradient, often one a NaN activation made): settle the
+    features' values of the step first, so that the activations that held NaN/Inf are named, by layer and op,
+    before the error ends the run. Its own failure must not hide the step's."""
+    from megatron_adacc.core.step_end import STEP_END
+
+    try:
+        STEP_END.settle()
+    except Exception:  # noqa: BLE001 - the step's exception is the one to report
+        pass
+
+
 def _loss_of(step_result: Any) -> float:
-    """The reduced ``lm loss`` of a ``train_step`` result; NaN on ranks that have none (pipeline stages)."""
+    """The reduced ``lm loss`` of a ``train_step`` result (NaN on ranks that have none: pipeline stages), read
+    in one transfer with the features' values of the step (:data:`~megatron_adacc.core.step_end.STEP_END`: the
+    saved activations' NaN/Inf flags, outlier counts), which are settled here: the step costs them no sync."""
+    import torch  # only once a feature is on
+
+    from megatron_adacc.core.step_end import STEP_END
+
     losses = step_result[0] if isinstance(step_result, tuple) and step_result else None
-    if not isinstance(losses, dict) or not losses:
-        return math.nan
-    value = losses.get("lm loss", next(iter(losses.values())))
-    return float(value.item() if hasattr(value, "item") else value)
+    value = losses.get("lm loss", next(iter(losses.values()))) if isinstance(losses, dict) and losses else math.nan
+    extra = STEP_END.take()
+    if not isinstance(value, torch.Tensor):
+        STEP_END.settle()  # nothing of Megatron's to read along: one read of their own
+        return float(value)
+    if extra is None:
+        return float(value.item())
+    # float64 holds the loss and the counts exactly
+    numbers = torch.cat([value.detach().reshape(1).double().to(extra.device), extra.double()]).tolist()
+    STEP_END.settle(numbers[1:])
+    return float(numbers[0])
 
 
 class Session:
@@ -130,7 +161,7 @@ class Session:
             extension.setup(ctx)
         self.extensions = extensions
         self.attached = True
-        _print_rank0(f"megatron-adacc: enabled {', '.join(self.names)}; extensions: "
+        _print_rank0(f"enabled {', '.join(self.names)}; extensions: "
                      f"{', '.join(getattr(e, 'name', type(e).__name__) for e in extensions) or 'none'}")
         return extensions
 
@@ -241,8 +272,7 @@ def _peek(data_iterator: Any) -> Any:
 
 
 def _print_rank0(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(message, flush=True)
+    log.get_logger().info(message)  # the handler prints rank 0's lines only
 
 
 # ------------------------------------------------------------------------------ training.py wrappers
@@ -291,9 +321,13 @@ def _patch_train_step(training: ModuleType) -> None:
             session._step = (forward_step_func, bound.arguments.get("data_iterator"), bound.arguments.get("model"))
             try:
                 bound.arguments["forward_step_func"] = session.wrap_forward_step(forward_step_func)
+                _nonfinite().begin_step(step)
                 session.on_step_begin(step)
                 result = original(*bound.args, **bound.kwargs)
                 session.on_step_end(step, _loss_of(result))
+            except BaseException:
+                _settle_after_failure()
+                raise
             finally:
                 session._step = None
             return result
@@ -412,13 +446,17 @@ def _one_line_refusals() -> None:
 
 def _rank() -> int:
     """This process's rank: torch.distributed's once Megatron initialized it (a refusal from a training-loop
-    hook), else torchrun's ``RANK`` (the flag checks run before Megatron initializes anything). torch is only
-    asked when already imported: with every flag off this module must not import it."""
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    hook), else torchrun's ``RANK`` (the flag checks run before Megatron initializes anything)."""
+    return log.rank()
+
+
+def _install_logging(args: Any) -> None:
+    """Our lines at Megatron-LM's level: ``--logging-level``, else ``$MEGATRON_LOGGING_LEVEL`` (Megatron-LM's own
+    precedence), else ours (``$ADACC_LOG_LEVEL``, INFO)."""
+    level = getattr(args, "logging_level", None)
+    if level is None:
+        level = os.environ.get("MEGATRON_LOGGING_LEVEL") or None
+    log.install(level)
 
 
 def configure(args: Any, *, training: ModuleType | None = None,
@@ -439,6 +477,7 @@ def configure(args: Any, *, training: ModuleType | None = None,
         if not idle_feature_flags(args):
             return None
     _one_line_refusals()
+    _install_logging(args)
     check_combination(args, features)  # with no feature on, it raises for the idle flags
     session = Session(args, features)
     session.preflight()

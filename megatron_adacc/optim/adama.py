@@ -124,6 +124,7 @@ class AdamA(torch.optim.Optimizer):
         }
         self._hook_handles: list[Any] = []
         self._folds: dict[torch.Tensor, int] = {}
+        self._host_checks = False  # states_finite() handed the caller the finiteness check of this step
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         self._paused = 0
         self.num_microbatches = self._check_n(num_microbatches)
@@ -273,6 +274,7 @@ class AdamA(torch.optim.Optimizer):
         exp_avg.add_(g, alpha=(1.0 - beta1) * scale)
         exp_avg_sq.addcmul_(g, g, value=(1.0 - beta2) * scale * scale)
         self._folds[p] = count + 1
+        self._host_checks = False  # a verdict taken before this fold does not cover it
         # Release: the only reference autograd kept is .grad; dropping it frees the buffer now.
         p.grad = None
         del grad, g
@@ -353,17 +355,34 @@ class AdamA(torch.optim.Optimizer):
         if self.data_parallel_group is not None and self._dp_size > 1:
             self._all_reduce_states(params, counts)
         updated = [(p, self._group_of[p]) for p, c in zip(params, counts) if c > 0]
-        self._check_finite(updated)
+        if not self._host_checks:
+            self._check_finite(updated)
         for p, group in updated:
             self._update(p, group)
         self._folds.clear()
+        self._host_checks = False
         return loss
+
+    def states_finite(self) -> torch.Tensor | None:
+        """A device bool: every state this mini-batch folded into is finite (None: nothing folded yet).
+
+        Nothing is read. The caller takes over the check :meth:`step` makes otherwise (a host read, a sync on a
+        GPU): it reads this with what it reads anyway and must not call :meth:`step` when it is False (the
+        training loop stops the run then, as AdamA cannot skip a step). Folding another gradient cancels that."""
+        updated = [p for p in self._folds if self._folds[p] > 0]
+        if not updated:
+            return None
+        self._host_checks = True
+        return torch.isfinite(self._state_sum(updated))
+
+    def _state_sum(self, params: list[torch.Tensor]) -> torch.Tensor:
+        # v >= 0 absorbs every overflow (inf or nan) of m as well, so its sum is a complete check.
+        return torch.stack([self.state[p]["exp_avg_sq"].sum() for p in params]).sum()
 
     def _check_finite(self, updated: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         if not updated:
             return
-        # v >= 0 absorbs every overflow (inf or nan) of m as well, so its sum is a complete check.
-        total = torch.stack([self.state[p]["exp_avg_sq"].sum() for p, _ in updated]).sum()
+        total = self._state_sum([p for p, _ in updated])
         if not torch.isfinite(total):
             self._folds.clear()
             raise FloatingPointError(

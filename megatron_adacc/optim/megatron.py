@@ -90,6 +90,11 @@ class MegatronAdamA:
         self.optimizer.step()
         return True, None, None
 
+    def states_finite(self) -> torch.Tensor | None:
+        """A device bool for the host's per-step finiteness check, which then replaces the one :meth:`step`
+        would read (see ``AdamA.states_finite``)."""
+        return self.optimizer.states_finite()
+
     def accumulation_paused(self) -> contextlib.AbstractContextManager:
         """Backward passes inside leave gradients in ``.grad`` (probes); see ``AdamA.accumulation_paused``.
 

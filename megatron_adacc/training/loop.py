@@ -26,7 +26,9 @@ from megatron_adacc.core import host as core_host
 from megatron_adacc.core.devices import peak_memory_bytes, reset_peak_memory
 from megatron_adacc.core.errors import AdaccError, IntegrationError
 from megatron_adacc.core.extension import TrainingContext
+from megatron_adacc.core.log import echo, get_logger, progress
 from megatron_adacc.core.saved import NONFINITE, SavedTensorMeter
+from megatron_adacc.core.step_end import STEP_END
 from megatron_adacc.core.units import format_bytes
 from megatron_adacc.training import checkpoint, distributed
 from megatron_adacc.training import model as model_lib
@@ -51,11 +53,8 @@ def _forward_loss(model, batch) -> torch.Tensor:
 
 
 def _progress(iterable, enabled: bool, total: int):
-    if not enabled:
-        return iterable
-    from tqdm import tqdm  # only with a progress bar
-
-    return tqdm(iterable, total=total, unit="it", dynamic_ncols=True, desc="train")
+    # rank 0 without --no-progress; core.log.progress adds a terminal and no -q
+    return progress(iterable, total=total, desc="train", leave=True) if enabled else iterable
 
 
 @dataclass
@@ -172,20 +171,30 @@ class NonFiniteError(AdaccError, RuntimeError):
 
 
 def _step_flags(run: _Run, step_loss: torch.Tensor, interrupted: bool) -> tuple[bool, bool]:
-    """Whether this step's loss and every gradient are finite on every rank, and whether any rank was
-    interrupted: one reduction and one host sync per step for both (every rank must skip, or stop, at the same
-    step, or the others would wait in a collective)."""
+    """Whether this step's loss, every gradient and every saved activation are finite on every rank, and whether
+    any rank was interrupted: one reduction and one host sync per step for all of it (every rank must skip, or
+    stop, at the same step, or the others would wait in a collective). The features' values of the step
+    (:data:`~megatron_adacc.core.step_end.STEP_END`: NaN/Inf flags of saved activations, outlier counts) come
+    over in the same read, so they cost the step no sync of their own."""
     flags = [torch.isfinite(step_loss).all()]
     for p in run.params:
         grad = getattr(p, "main_grad", None)
         grad = p.grad if grad is None else grad
         if grad is not None:
             flags.append(torch.isfinite(grad).all())
-    both = torch.stack([torch.stack(flags).all(), torch.tensor(not interrupted, device=step_loss.device)])
-    both = both.to(torch.int32)
+    # AdamA has no gradients left to check: its moments are, and its step then reads nothing itself.
+    states_finite = getattr(run.optimizer, "states_finite", None)
+    for flag in (NONFINITE.clean(), states_finite() if states_finite is not None else None):
+        if flag is not None:
+            flags.append(flag)
+    both = torch.stack([torch.stack(flags).all(), torch.full((), not interrupted, device=step_loss.device)])
+    both = both.to(torch.int64)
     if run.world > 1:
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
-    finite, carry_on = both.tolist()
+    extra = STEP_END.take()
+    values = (both if extra is None else torch.cat([both, extra.to(both.device)])).tolist()
+    STEP_END.settle(values[2:])
+    finite, carry_on = values[:2]
     return bool(finite), not carry_on
 
 
@@ -253,9 +262,9 @@ def _loop(run: _Run, bar, interrupt, losses: list[float], step_times: list[float
             bar.set_postfix(loss=f"{loss_value:.3f}", step=f"{dt * 1e3:.0f}ms",
                             tok_s=f"{args.global_batch_size * args.seq_length / dt:,.0f}")
         skipped_in_a_row = 0 if ok else skipped_in_a_row + 1
-        if not ok and is_main:
-            print(f"iteration {iteration}: step skipped, loss {loss_value}: NaN/Inf in the loss or gradients "
-                  "(the weights are unchanged)", flush=True)
+        if not ok:
+            get_logger().warning(f"iteration {iteration}: step skipped, loss {loss_value}: NaN/Inf in the loss or "
+                                 "gradients (the weights are unchanged)")
         if skipped_in_a_row >= MAX_CONSECUTIVE_SKIPS:
             raise NonFiniteError(f"{skipped_in_a_row} steps in a row had NaN/Inf (iterations "
                                  f"{iteration - skipped_in_a_row + 1}-{iteration}); the data or the model is "
@@ -285,6 +294,7 @@ def train(args: SimpleNamespace, return_model: bool = False):
 
 def _train(args: SimpleNamespace, return_model: bool):
     NONFINITE.reset()
+    STEP_END.discard()
     with core_host.running(TrainHost()):
         run = _set_up(args)
     model, extensions = run.model, run.extensions
@@ -349,13 +359,13 @@ def _summary(args, device, world, n_micro, losses, step_times, saved_bytes, exte
         "peak_memory_bytes": peak_memory_bytes(device),
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
         "saved_activation_bytes": saved,
-        "nonfinite_fallbacks": NONFINITE.total,
+        "nonfinite_activations": NONFINITE.total,
         "extensions": ext_reports,
     }
 
 
-#: Longest extension figure the printed summary shows in full.
-_SUMMARY_WIDTH = 200
+#: Longest extension figure the printed summary shows in full (the summary fits 100 columns).
+_SUMMARY_WIDTH = 70
 
 
 def _print_summary(s: dict) -> None:
@@ -371,16 +381,36 @@ def _print_summary(s: dict) -> None:
         f"  validation loss {s['valid_loss']:.4f}" if s.get("valid_loss") is not None else "",
         f"  held for backward by saved activations (first micro-batch): "
         f"{format_bytes(s['saved_activation_bytes'])}",
-        f"  saved activations kept uncompressed for NaN/Inf: {s['nonfinite_fallbacks']}"
-        if s.get("nonfinite_fallbacks") else "",
+        f"  saved activations that held NaN/Inf: {s['nonfinite_activations']}"
+        if s.get("nonfinite_activations") else "",
     ]
+    width = max((len(key) for report in s["extensions"].values() for key in report), default=0) + 2
     for name, report in s["extensions"].items():
-        for key, value in report.items():
-            shown = str(format_bytes(value) if "bytes" in key and isinstance(value, (int, float)) else value)
-            if len(shown) > _SUMMARY_WIDTH:  # a series (evolution's outlier counts): whole in --output-json
-                shown = shown[:_SUMMARY_WIDTH - 30] + " ... (in full in --output-json)"
-            lines.append(f"  {name}.{key}: {shown}")
-    print("\n".join(line for line in lines if line))
+        lines.append(f"  {name}")
+        lines += [f"    {key.replace('_', ' '):<{width}}{_readable(key, value)}" for key, value in report.items()]
+    echo("\n".join(line for line in lines if line))
+
+
+def _readable(key: str, value: Any) -> str:
+    """An extension's figure on one short line: sizes in bytes units, counts as ``keep 40, recompute 12``, and
+    for per-layer or per-iteration detail its length, the whole being in ``--output-json``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        return format_bytes(value) if "bytes" in key else f"{value:.4g}" if isinstance(value, float) else str(value)
+    flat = isinstance(value, (list, dict)) and all(
+        v is None or isinstance(v, (str, int, float)) for v in (value.values() if isinstance(value, dict) else value))
+    if isinstance(value, dict) and flat:
+        shown = ", ".join(f"{k} {_readable(key, v)}" for k, v in value.items()) or "none"
+    elif isinstance(value, list) and flat:
+        shown = ", ".join(_readable(key, v) for v in value) or "none"
+    elif isinstance(value, (list, dict)):
+        return f"{len(value)} entries, in --output-json" if value else "none"
+    else:
+        shown = str(value)
+    return shown if len(shown) <= _SUMMARY_WIDTH else shown[:_SUMMARY_WIDTH - 28] + " ... (all in --output-json)"
 
 
 def _save_checkpoint(directory, run, iteration) -> None:

@@ -74,12 +74,27 @@ def test_packed_holds_no_reference_to_the_input(name, params):
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("position", [0, 37, -1], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_finite_input_raises(name, params, bad_value, position, dtype):
+def test_non_finite_input_is_flagged_on_the_device_and_decodes_with_a_nan(name, params, bad_value, position, dtype):
     x = activation_like((5, 3, 41), dtype)
     x.view(-1)[position] = bad_value  # first, inside a vector block, and in the scalar tail
+    codec = get_codec(name, **params)
+    p = compress(codec, x)  # no exception: compress reads nothing on the host
+    assert p.nonfinite is not None and int(p.nonfinite.reshape(-1)[0]) != 0
+    y = codec.decompress(p)
+    assert torch.isnan(y.view(-1)[0])  # nothing computed from it passes for finite
     with pytest.raises(NonFiniteInputError, match="NaN or Inf"):
-        compress(get_codec(name, **params), x)
+        p.raise_if_nonfinite()
     assert issubclass(NonFiniteInputError, ValueError)
+
+
+@pytest.mark.parametrize(("name", "params"), QUANTIZERS, ids=ids(QUANTIZERS))
+def test_finite_input_is_not_flagged_and_decodes_untouched(name, params):
+    x = activation_like((5, 3, 41), torch.float32)
+    codec = get_codec(name, **params)
+    p = compress(codec, x)
+    assert int(p.nonfinite.reshape(-1)[0]) == 0
+    p.raise_if_nonfinite()
+    assert torch.isfinite(codec.decompress(p)).all()
 
 
 @pytest.mark.parametrize(("name", "params"), QUANTIZERS, ids=ids(QUANTIZERS))

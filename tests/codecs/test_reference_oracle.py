@@ -102,3 +102,43 @@ def test_select_outlier_channels():
     noisy = torch.full((50,), 0.1, dtype=torch.float64) + torch.arange(50) * 1e-18
     assert reference.select_outlier_channels(noisy, 3.0).numel() == 0
     assert reference.select_outlier_channels(torch.zeros(8, dtype=torch.float64), 3.0).numel() == 0
+
+
+def test_top_outlier_channels_holds_the_exact_selection_within_its_capacity():
+    torch.manual_seed(0)
+    sums = torch.rand(64, dtype=torch.float64)
+    sums[[5, 40, 17]] = torch.tensor([90.0, 60.0, 30.0], dtype=torch.float64)
+    exact = reference.select_outlier_channels(sums, 3.0).tolist()
+    for capacity in (len(exact), 5, 64, 99):
+        idx, count = reference.top_outlier_channels(sums, 3.0, capacity)
+        assert int(count) == len(exact) and idx.dtype == torch.int32
+        assert idx.tolist() == sorted(idx.tolist()) and len(set(idx.tolist())) == min(capacity, 64)
+        assert set(exact) <= set(idx.tolist())
+    idx, count = reference.top_outlier_channels(sums, 3.0, 1)  # over capacity: the largest Z-score is kept
+    assert idx.tolist() == [5] and int(count) == len(exact)
+    for alike in (torch.zeros(8, dtype=torch.float64), torch.full((50,), 0.1, dtype=torch.float64)):
+        assert int(reference.top_outlier_channels(alike, 3.0, 2)[1]) == 0  # as select_outlier_channels
+    assert reference.top_outlier_channels(sums[:1], 3.0, 4)[0].numel() == 0
+
+
+def test_outlier_codec_at_a_capacity_stores_every_outlier_and_reads_nothing():
+    from codec_test_utils import activation_like
+
+    from megatron_adacc.codecs import get_codec
+    from megatron_adacc.testing.syncs import HostSyncs
+
+    codec = get_codec("int4_outlier")
+    x = activation_like((4, 16, 96), torch.float32)  # channels 0 and 1 are 30x larger
+    exact = codec.compress(x)
+    assert exact.tensors["index"].tolist() == [0, 1]
+    with HostSyncs() as syncs:
+        packed = codec.compress(x, capacity=5)
+        # reference kernels only: the compiled CPU kernel checks the indices on host memory (see the sync test)
+        reference.get_codec("int4_outlier").compress(x, capacity=5)
+    assert [s for s in syncs.events if "_backend.py" not in s.site] == []
+    assert int(packed.found["outlier_channels"]) == 2 and packed.tensors["index"].numel() == 5
+    assert {0, 1} <= set(packed.tensors["index"].tolist())
+    y, y_exact = codec.decompress(packed), codec.decompress(exact)
+    assert torch.equal(y[..., :2], x[..., :2])  # the outliers exactly, as the exact selection stores them
+    assert (y - x).abs().max() <= (y_exact - x).abs().max()  # the other stored channels are exact too
+    assert packed.nbytes == codec.compressed_nbytes(x.shape, x.dtype, num_outliers=5)

@@ -68,7 +68,7 @@ class _FixedSampleDGC(DGCCompressor):
         super().__init__(**kw)
         self.picked = torch.tensor(picked)
 
-    def sample_indices(self, numel):
+    def sample_indices(self, numel, device):
         return self.picked
 
 
@@ -144,3 +144,22 @@ def test_none_compressor_is_identity_and_allreducible():
 def test_bad_arguments_name_the_problem(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+@pytest.mark.parametrize("make", [lambda: QSGDCompressor(8, seed=2), lambda: DGCCompressor(0.1, min_sample=4, seed=2)],
+                         ids=["qsgd", "dgc"])
+def test_random_draws_are_made_on_the_gradients_device_and_resume_there(make):
+    x = torch.randn(300)
+    c = make()
+    assert c.state_dict()["generator"] is None  # no generator before the first gradient: its device is unknown
+    c.compress(x)
+    state = c.state_dict()
+    assert state["device"] == "cpu"
+    first = c.compress(x)
+    again = make()
+    again.load_state_dict({"generator": state["generator"]})  # a checkpoint from before devices were recorded
+    assert all(torch.equal(a, b) for a, b in zip(again.compress(x), first))
+    elsewhere = make()
+    elsewhere.load_state_dict({**state, "device": "cuda:0"})
+    with pytest.raises(ValueError, match="saved on cuda:0"):
+        elsewhere.compress(x)

@@ -31,7 +31,7 @@ def test_checkpoint_of_another_rank_or_scheme_is_refused():
         ext.load_state_dict({"scheme": "w", "rank": 1, "world_size": 2})
 
 
-def test_one_process_says_that_nothing_is_communicated(capsys):
+def test_one_process_says_that_nothing_is_communicated(capsys, adacc_log):
     """A world of one still compresses gradients (error feedback), which changes training: say so."""
     from megatron_adacc.training.loop import train
 

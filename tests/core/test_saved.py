@@ -1,5 +1,5 @@
 """The saved-tensor base every pack hook specialises: parameters by reference, one stored copy per tensor,
-dropout masks in 1 bit and back exactly, NaN/Inf fallback, and storage accounting."""
+dropout masks in 1 bit and back exactly, NaN/Inf flags noted without a host read, and storage accounting."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_adacc.codecs import NonFiniteInputError, get_codec
-from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
+from megatron_adacc.codecs import get_codec
+from megatron_adacc.core import saved
+from megatron_adacc.core.saved import (
+    NonFiniteActivations,
+    SavedHandle,
+    SavedTensorStore,
+    storage_ptr,
+    tensor_key,
+    unique_storage_bytes,
+)
 
 
 class Handle(SavedHandle):
@@ -27,8 +35,6 @@ class Store(SavedTensorStore):
     """The base as the features use it: the codecs' 1-bit mask codec, an INT4 codec for floats (or none),
     and the kept storages counted in the ledger."""
 
-    fallback_errors = (NonFiniteInputError,)
-
     def __init__(self, model_tensors=(), quantize: bool = True):
         super().__init__(model_tensors)
         self.quantize = quantize
@@ -42,7 +48,9 @@ class Store(SavedTensorStore):
         if not self.quantize:
             return None
         codec = get_codec("int4_symmetric", group="row")
-        return Handle(codec, codec.compress(t))
+        packed = codec.compress(t)
+        self.note_nonfinite(packed.nonfinite, t, *context)
+        return Handle(codec, packed)
 
     def store_tensor(self, t, *context):
         stored = super().store_tensor(t, *context)
@@ -125,26 +133,23 @@ def test_compress_returning_none_keeps_the_tensor():
     assert store.unpack(x) is x
 
 
-def test_non_finite_input_is_kept_and_counted():
+def test_non_finite_input_is_compressed_flagged_and_decodes_with_a_nan(monkeypatch):
+    watch = NonFiniteActivations(interval_s=0)
+    monkeypatch.setattr(saved, "NONFINITE", watch)
     store = Store()
     bad = torch.randn(2, 32)
     bad[1, 3] = float("nan")
     inf = torch.full((1, 8), float("inf"))
-    assert store.pack(bad) is bad
-    assert store.pack(inf) is inf
-    assert store.fallbacks == 2
-    assert store.storage_bytes == bad.nbytes + inf.nbytes
-    assert isinstance(store.pack(torch.randn(2, 32)), Handle)  # finite tensors are still compressed
-    assert store.fallbacks == 2
-
-
-def test_errors_outside_fallback_errors_propagate():
-    class Strict(Store):
-        fallback_errors = ()
-
-    bad = torch.tensor([[float("nan"), 1.0]])
-    with pytest.raises(NonFiniteInputError):
-        Strict().pack(bad)
+    handles = [store.pack(bad), store.pack(inf), store.pack(torch.randn(2, 32))]
+    assert all(isinstance(h, Handle) for h in handles)  # nothing read, nothing kept
+    assert store.storage_bytes == 0
+    assert int(watch.clean()) == 0  # the step's verdict, on the device
+    vector, taken = watch.take()
+    assert vector.tolist() == [1, 1, 0]
+    watch.settle(taken, vector.tolist())
+    assert (watch.last_step, watch.total) == (2, 2)
+    assert all(torch.isnan(store.unpack(h).view(-1)[0]) for h in handles[:2])
+    assert torch.isfinite(store.unpack(handles[2])).all()
 
 
 # ------------------------------------------------------------------------------------ de-duplication
@@ -217,9 +222,9 @@ def test_clear_drops_copies_ledger_and_counters():
     store.pack(x)
     store.pack(torch.arange(3))
     store.pack(torch.tensor([[float("inf")]]))
-    assert (store.dedup_hits, store.fallbacks) == (1, 1) and store.storage_bytes > 0
+    assert store.dedup_hits == 1 and store.storage_bytes > 0
     store.clear()
-    assert (store.dedup_hits, store.fallbacks, store.storage_bytes) == (0, 0, 0)
+    assert (store.dedup_hits, store.storage_bytes) == (0, 0)
     assert store.pack(x) is not first
 
 
@@ -295,3 +300,31 @@ def test_ledger_equals_unique_storage_bytes_of_what_autograd_keeps():
     assert kept and store.storage_bytes == unique_storage_bytes(kept)
     assert all(t.dtype != torch.bool for t in kept)  # the dropout mask went to 1 bit, not to the ledger
     loss.backward()
+
+
+# ------------------------------------------------------------------------------------ the step's end
+def test_step_end_takes_every_source_as_one_vector_and_hands_the_numbers_back():
+    from megatron_adacc.core.step_end import StepEnd
+
+    class Source:
+        def __init__(self, values):
+            self.values, self.got = values, None
+
+        def take(self):
+            return None if self.values is None else (torch.tensor(self.values), len(self.values))
+
+        def settle(self, taken, values):
+            self.got = (taken, values)
+
+    end = StepEnd()
+    a, empty, b = end.register(Source([3, 0])), end.register(Source(None)), end.register(Source([7]))
+    assert end.register(a) is a and len(end._sources) == 3
+    vector = end.take()
+    assert vector.tolist() == [3, 0, 7] and end.take() is vector  # taken once per step
+    end.settle([3.0, 0.0, 7.0])  # as the host read them, alongside its own values
+    assert (a.got, empty.got, b.got) == ((2, [3, 0]), None, (1, [7]))
+    end.settle()  # nothing taken since: reads it itself
+    assert a.got == (2, [3, 0])
+    end.take()
+    with pytest.raises(ValueError, match="1 values for a vector of 3"):
+        end.settle([1])

@@ -38,14 +38,14 @@ def _all_finite(module: torch.nn.Module) -> bool:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
-def test_skip_leaves_weights_and_checkpoints_finite(tmp_path, inf_at, capsys):
+def test_skip_leaves_weights_and_checkpoints_finite(tmp_path, inf_at, capsys, adacc_log):
     inf_at.add(3)
     summary, model = loop.train(parse_train_args(SMALL + ["--train-iters", "5", "--save", str(tmp_path),
                                                           "--save-interval", "1"]), return_model=True)
     losses = summary["losses"]
     assert not torch.isfinite(torch.tensor(losses[2])) and all(torch.isfinite(torch.tensor(losses[3:])))
     assert _all_finite(model)
-    assert "iteration 3: step skipped" in capsys.readouterr().out
+    assert "[adacc] WARNING: iteration 3: step skipped" in capsys.readouterr().err
     state = torch.load(checkpoint.paths(tmp_path, 0)[0], weights_only=True)
     assert state["iteration"] == 5 and all(bool(torch.isfinite(t).all()) for t in state["model"].values()
                                           if isinstance(t, torch.Tensor) and t.is_floating_point())

@@ -33,6 +33,21 @@ def test_resume_with_dropout_on_is_bit_exact(tmp_path, flags):
     assert resumed["losses"] == straight["losses"][2:]
 
 
+def test_resume_under_outlier_separated_int4_is_bit_exact(tmp_path):
+    """The outlier codec stores as many channels as the previous step counted at each place (learned on the
+    device, no host sync): those capacities are checkpointed, so the resumed run compresses as the straight one."""
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.ops import OPS
+    from megatron_adacc.adacc.policy.policy import Decision, Policy
+
+    policy = Policy.uniform({op.name: Decision.compress(op.default_codec) for op in OPS}, 2)
+    flags = ["--adacc-policy", str(save_policy(policy, tmp_path / "layer-codecs.json"))]
+    straight = train(parse_train_args(SMALL + flags + ["--train-iters", "4"]))
+    train(parse_train_args(SMALL + flags + ["--train-iters", "2", "--save", str(tmp_path / "ckpt")]))
+    resumed = train(parse_train_args(SMALL + flags + ["--train-iters", "4", "--load", str(tmp_path / "ckpt")]))
+    assert resumed["losses"] == straight["losses"][2:]
+
+
 def test_a_stock_checkpoint_goes_on_under_adacc_and_back(tmp_path):
     """Adacc changes how activations are held, never the model's or the optimizer's state: a model pretrained
     stock goes on under a policy (keep-everything: bit for bit what stock would have done), and back."""

@@ -258,3 +258,23 @@ def test_non_finite_gradient_raises_instead_of_silently_stepping():
     with pytest.raises(FloatingPointError, match="non-finite"):
         opt.step()
     assert torch.equal(w.detach(), torch.ones(3))
+
+
+def test_a_host_that_asks_for_the_finite_flag_takes_over_the_check_from_step():
+    """The training loop reads AdamA's flag with its own per-step read; step() then reads nothing itself."""
+    from megatron_adacc.testing.syncs import HostSyncs
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = AdamA([w], lr=0.1, strict_microbatch_count=False)
+    assert opt.states_finite() is None  # nothing folded yet
+    with HostSyncs(recording=False) as syncs:  # on from the start: it learns that the step counts are host tensors
+        (w * 2).sum().backward()
+        flag = opt.states_finite()
+        syncs.recording = True
+        opt.step()
+    assert syncs.events == [] and bool(flag) and not torch.equal(w.detach(), torch.ones(3))
+    (w * torch.tensor([1.0, float("inf"), 1.0])).sum().backward()
+    assert not bool(opt.states_finite())
+    (w * 2).sum().backward()  # a fold after the verdict is not covered by it: step() checks again
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        opt.step()

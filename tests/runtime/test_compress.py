@@ -9,7 +9,7 @@ from _runtime_helpers import decisions, policy_of
 
 import megatron_adacc
 from megatron_adacc.adacc.policy.policy import Policy
-from megatron_adacc.adacc.runtime.checkpoint import MASK_CODEC, MaskCodec
+from megatron_adacc.adacc.runtime.checkpoint import MASK_CODEC
 from megatron_adacc.testing import build_tiny_gpt, grad_rel_error, loss_and_grads
 from megatron_adacc.training.data import BatchSampler
 from megatron_adacc.training.distributed import set_seed
@@ -82,14 +82,44 @@ def test_float_dropout_mask_is_stored_losslessly_in_bits():
     set_seed(0)
     x = torch.ones(1000)
     mask = torch.nn.functional.dropout(x, p=0.1, training=True)  # CPU dropout: values 0 or 1/0.9
-    scale = MaskCodec.float_mask_scale(mask)
-    assert scale == pytest.approx(1 / 0.9)
-    packed = MASK_CODEC.compress(mask, scale)
+    packed = MASK_CODEC.compress(mask)
     assert packed.nbytes == 125  # one bit per value
+    assert float(packed.scale) == pytest.approx(1 / 0.9) and int(packed.nonfinite) == 0
     assert torch.equal(MASK_CODEC.decompress(packed), mask)
-    assert MaskCodec.float_mask_scale(torch.tensor([0.0, 1.0, 2.0])) is None
-    assert MaskCodec.float_mask_scale(torch.tensor([0.0, -1.0, -1.0])) is None  # not a dropout multiplier
-    assert MaskCodec.float_mask_scale(torch.zeros(8)) is None
-    assert MaskCodec.float_mask_scale(torch.zeros(0)) is None
+    for zeros in (torch.zeros(8), torch.zeros(0)):  # everything dropped, or nothing there
+        assert torch.equal(MASK_CODEC.decompress(MASK_CODEC.compress(zeros)), zeros)
+
+
+@pytest.mark.parametrize("values", [[0.0, 1.0, 2.0], [0.0, -1.0, -2.0], [0.0, float("inf")]])
+def test_a_float_that_is_no_dropout_mask_is_flagged_on_the_device(values):
+    """The runtime routes an RNG op's internal floats to the mask codec without reading them; one with other
+    values than 0 and one scale is flagged like NaN/Inf, and decodes with a NaN instead of passing for a mask."""
+    packed = MASK_CODEC.compress(torch.tensor(values))
+    assert int(packed.nonfinite) == 1
+    assert torch.isnan(MASK_CODEC.decompress(packed)[0])
+
+
+def test_bool_masks_round_trip():
     bools = torch.rand(77) < 0.5
     assert torch.equal(MASK_CODEC.decompress(MASK_CODEC.compress(bools)), bools)
+
+
+def test_outlier_capacities_are_learned_from_the_previous_step_and_checkpointed():
+    from megatron_adacc.adacc.runtime.capacity import OutlierCapacities
+    from megatron_adacc.codecs import get_codec
+
+    codec, caps, place = get_codec("int4_outlier"), OutlierCapacities(), (1, "linear_fc1", True, (8, 64))
+    x = torch.ones(8, 64)
+    x[:, 3], x[:, 9] = 40.0, 45.0
+    first = caps.compress(codec, x, place)  # met for the first time: exact (one read), which sizes it
+    assert first.tensors["index"].tolist() == [3, 9] and place not in caps.capacity
+    assert caps.compress(codec, x, place).tensors["index"].tolist() == [3, 9]  # the whole first step is exact
+    assert caps.take() is None and caps.capacity[place] == 2  # its count, read already, sizes the place
+    x[:, 20] = 50.0  # a third outlier appears: this step stores the two largest, and counts three
+    assert caps.compress(codec, x, place).tensors["index"].tolist() == [9, 20]
+    vector, taken = caps.take()
+    caps.settle(taken, vector.tolist())
+    assert caps.capacity[place] == 3 and caps.compress(codec, x, place).tensors["index"].tolist() == [3, 9, 20]
+    restored = OutlierCapacities()
+    restored.load_state_dict(caps.state_dict())
+    assert restored.capacity == caps.capacity

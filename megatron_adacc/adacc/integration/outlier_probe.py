@@ -90,8 +90,8 @@ class OpSample:
 
 # --------------------------------------------------------------------------------------------- statistics
 def outlier_count(x: torch.Tensor, z_threshold: float) -> int | None:
-    """Outlier channels of ``x`` as ``int4_outlier`` selects them (same kernels), or None when ``x`` holds
-    NaN/Inf (the runtime keeps such a tensor uncompressed: it says nothing about the codec)."""
+    """Outlier channels of ``x`` as ``int4_outlier`` selects them exactly (same kernels), or None when ``x`` holds
+    NaN/Inf (such a tensor says nothing about the codec). A tracking iteration's probe: it reads the counts."""
     from megatron_adacc.codecs._backend import kernels
     from megatron_adacc.codecs.base import rows_cols
     from megatron_adacc.codecs.reference import select_outlier_channels

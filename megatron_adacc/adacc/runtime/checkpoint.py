@@ -8,9 +8,11 @@ is ``input_layernorm``'s output, belongs to ``input_layernorm``); a tensor no op
 mean, a dropout mask) belongs to the op that is running. The decision of that op then applies:
 
 * ``keep``      — the tensor is stored as it is;
-* ``compress``  — the tensor is stored as the codec's ``Packed`` and decompressed when backward needs it
-  (NaN/Inf inputs are kept uncompressed and counted). Dropout masks go to a lossless 1-bit codec whatever
-  the codec named (:class:`MaskCodec`), as in section 3.2 of the paper;
+* ``compress``  — the tensor is stored as the codec's ``Packed`` and decompressed when backward needs it. No
+  host read: NaN/Inf inputs are flagged on the device and told at the step's end
+  (:data:`~megatron_adacc.core.saved.NONFINITE`), outlier-separated INT4 stores up to a capacity learned from
+  the previous step (:mod:`.capacity`). Dropout masks go to a lossless 1-bit codec whatever the codec named
+  (:class:`MaskCodec`), as in section 3.2 of the paper;
 * ``recompute`` — only a small token is stored. Consecutive recomputed ops form one *segment*. At the
   segment's start the runtime stores the segment's inputs (as their producers' decisions say: a reference,
   a ``Packed``, or a token into an earlier segment) and, when the segment draws random numbers, Megatron's
@@ -37,20 +39,23 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME, Action, segments
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME, OUTLIER_CODEC, Action, segments
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.runtime import accounting, stages
+from megatron_adacc.adacc.runtime.capacity import CAPACITIES
 from megatron_adacc.adacc.runtime.ops import (
     LAYER_INPUTS,
     PRODUCER,
     RNG_OPS,
     LayerOp,
+    dataflow,
     initial_env,
     layer_ops,
     run_ops,
     segment_inputs,
 )
-from megatron_adacc.codecs import NonFiniteInputError, get_codec
+from megatron_adacc.codecs import get_codec
+from megatron_adacc.codecs.base import mark_nonfinite
 from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
 
 # ------------------------------------------------------------------------------------------------ codecs
@@ -67,16 +72,22 @@ def codec_for(name: str, params: Mapping[str, Any]) -> Any:
 
 
 class _MaskPacked:
-    """A dropout mask as one bit per value, plus the value of the kept entries for float masks."""
+    """A dropout mask as one bit per value, plus the value of the kept entries for float masks (a 0-d device
+    tensor) and the device flag saying the float tensor was no such mask."""
 
-    __slots__ = ("bits", "scale", "dtype")
+    __slots__ = ("bits", "scale", "dtype", "found")
 
-    def __init__(self, bits: Any, scale: float | None, dtype: torch.dtype):
+    def __init__(self, bits: Any, scale: torch.Tensor | None, dtype: torch.dtype, flag: torch.Tensor | None = None):
         self.bits, self.scale, self.dtype = bits, scale, dtype
+        self.found = {} if flag is None else {"nonfinite": flag}
 
     @property
     def nbytes(self) -> int:
         return self.bits.nbytes
+
+    @property
+    def nonfinite(self) -> torch.Tensor | None:
+        return self.found.get("nonfinite")
 
 
 class MaskCodec:
@@ -84,34 +95,28 @@ class MaskCodec:
 
     A bool mask (what ``native_dropout`` saves on a GPU) goes to the ``bitmask`` codec as it is. On the CPU,
     torch's dropout saves the float multiplier ``bernoulli(1-p) / (1-p)`` instead, whose entries are all 0 or
-    one value ``1/(1-p)``: it is stored as the bitmask of its non-zeros plus that value, and restored exactly.
+    one value ``1/(1-p)``: it is stored as the bitmask of its non-zeros plus that value (its maximum, kept on the
+    device), and restored exactly. The float tensors an RNG op saves internally are such multipliers (the ops'
+    dropout is the only one that saves a float it made); that is checked on the device, not read: a tensor with
+    other values is flagged like a NaN/Inf one and decompresses with a NaN, so it cannot pass unnoticed.
     """
 
-    @staticmethod
-    def float_mask_scale(t: torch.Tensor) -> float | None:
-        """The common non-zero value of ``t`` when ``t`` is a float dropout multiplier, else None."""
-        # Runs inside the forward at every dropout: at most one bool temporary at a time (a quarter of an fp32
-        # mask), where gathering the non-zeros would briefly cost several times the mask itself.
-        if t.numel() == 0:
-            return None
-        scale = t.max()
-        if not bool(scale > 0):
-            return None
-        nonzero = int(torch.count_nonzero(t))
-        return float(scale) if int(torch.count_nonzero(t == scale)) == nonzero else None
-
-    def compress(self, t: torch.Tensor, scale: float | None = None) -> _MaskPacked:
+    def compress(self, t: torch.Tensor) -> _MaskPacked:
         bits = codec_for("bitmask", {})
         if t.dtype == torch.bool:
             return _MaskPacked(bits.compress(t), None, t.dtype)
-        return _MaskPacked(bits.compress(t != 0), scale, t.dtype)
+        kept = t != 0
+        scale = t.amax() if t.numel() else t.new_ones(())
+        # Runs inside the forward at every dropout: one more bool temporary, no gathering of the non-zeros.
+        flag = (kept & (t != scale)).any().reshape(1) | ~torch.isfinite(scale).reshape(1)
+        return _MaskPacked(bits.compress(kept), scale, t.dtype, flag)
 
     def decompress(self, p: _MaskPacked) -> torch.Tensor:
         mask = codec_for("bitmask", {}).decompress(p.bits)
         if p.scale is None:
             return mask
         # in place: a float mask is as large as the activation it drops, and backward is where memory peaks
-        return mask.to(p.dtype).mul_(p.scale)
+        return mark_nonfinite(mask.to(p.dtype).mul_(p.scale), p.nonfinite)
 
 
 MASK_CODEC = MaskCodec()
@@ -123,7 +128,7 @@ def compress_tensor(t: torch.Tensor, op: str, is_output: bool, decision: Any) ->
     * bool masks, and the float dropout multipliers an RNG op saves internally, go to the lossless
       :class:`MaskCodec` (whatever the decision's codec);
     * with the ``bitmask`` codec, everything that is not such a mask is kept;
-    * other float tensors go to the decision's codec; NaN/Inf input raises ``NonFiniteInputError``;
+    * other float tensors go to the decision's codec (NaN/Inf input is flagged in ``packed.found``);
     * other dtypes (indices) are kept.
     """
     if t.dtype == torch.bool:
@@ -133,16 +138,19 @@ def compress_tensor(t: torch.Tensor, op: str, is_output: bool, decision: Any) ->
     return compress_float(t, op, is_output, decision)
 
 
-def compress_float(t: torch.Tensor, op: str, is_output: bool, decision: Any) -> tuple[Any, Any] | None:
+def compress_float(t: torch.Tensor, op: str, is_output: bool, decision: Any,
+                   place: tuple | None = None) -> tuple[Any, Any] | None:
     """:func:`compress_tensor` for a floating ``t``: the float dropout multiplier an RNG op saves internally
-    goes to :class:`MaskCodec`; with the ``bitmask`` codec anything else is kept (None)."""
+    goes to :class:`MaskCodec`; with the ``bitmask`` codec anything else is kept (None). With ``place`` (where
+    in the model ``t`` is saved), outlier-separated INT4 runs at the place's learned capacity (:mod:`.capacity`),
+    with no host read; without, it selects exactly (one read)."""
     if not is_output and op in RNG_OPS:
-        scale = MaskCodec.float_mask_scale(t)
-        if scale is not None:
-            return MASK_CODEC, MASK_CODEC.compress(t, scale)
+        return MASK_CODEC, MASK_CODEC.compress(t)
     if decision.codec == "bitmask":
         return None
     codec = codec_for(decision.codec, decision.codec_params)
+    if place is not None and decision.codec == OUTLIER_CODEC:
+        return codec, CAPACITIES.compress(codec, t, place)
     return codec, codec.compress(t)
 
 
@@ -234,14 +242,14 @@ class _StashEntry:
 class _Segment:
     """A run of consecutive recomputed ops, re-run once in backward from its stored inputs."""
 
-    def __init__(self, ops: Sequence[LayerOp]):
+    def __init__(self, ops: Sequence[LayerOp], rng_ops: frozenset[str]):
         self.ops = list(ops)
         self.names = [op.name for op in ops]
         self.handles: weakref.WeakSet[_Recomputed] = weakref.WeakSet()
         self.packed_tokens = 0  # tokens held by saved variables (the stash of a later segment may hold more)
         self.stash: dict[str, _StashEntry] | None = None
         self.rng: tuple | None = None
-        self.needs_rng = any(op.name in RNG_OPS for op in ops)
+        self.needs_rng = any(op.name in rng_ops for op in ops)
 
     def _inputs(self) -> dict[str, Any]:
         env: dict[str, Any] = {}
@@ -315,7 +323,6 @@ class LayerMemory:
     per_op: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OP_NAMES})
     stash_bytes: int = 0
     rng_bytes: int = 0
-    nonfinite_fallbacks: int = 0
     stock_bytes: int = 0
     """Saved by a layer whose policy keeps everything, which runs megatron's own forward
     (:func:`stock_layer_forward`): not split by op."""
@@ -331,12 +338,12 @@ class LayerMemory:
 class _Frame(SavedTensorStore):
     """The state of one layer forward under a policy (dropped when the forward returns).
 
-    The store's rules are those of the ``compress`` decision: dropout masks go to :class:`MaskCodec`, NaN/Inf
-    tensors are kept (counted in ``fallbacks``), an op output saved twice is compressed once. Storages kept
-    for backward are counted in the store's ledger under the op they belong to.
+    The store's rules are those of the ``compress`` decision: dropout masks go to :class:`MaskCodec`, the codecs'
+    NaN/Inf flags go to :data:`~megatron_adacc.core.saved.NONFINITE` (named by layer and op), an op output saved
+    twice is compressed once. Storages kept for backward are counted in the store's ledger under the op they
+    belong to.
     """
 
-    fallback_errors = (NonFiniteInputError,)
     # Only op outputs are de-duplicated, and release() retires them when they die.
     weak_dedup = False
 
@@ -345,6 +352,7 @@ class _Frame(SavedTensorStore):
         self._layer_number = getattr(layer, "layer_number", "?")
         self.decisions = decisions
         self.ops = ops
+        self.flow = dataflow(layer)
         self.external: set[int] = set()
         self.producer: dict[int, tuple[str, str]] = {}
         self.packed_handles: dict[int, _Compressed] = {}     # payloads a saved variable references
@@ -352,7 +360,7 @@ class _Frame(SavedTensorStore):
         self.segment_of: dict[str, _Segment] = {}
         self.segments: list[_Segment] = []
         for run in segments(decisions[op.name].action == Action.RECOMPUTE for op in ops):
-            seg = _Segment([ops[i] for i in run])
+            seg = _Segment([ops[i] for i in run], self.flow.rng_ops)
             self.segments.append(seg)
             for op in seg.ops:
                 self.segment_of[op.name] = seg
@@ -369,8 +377,12 @@ class _Frame(SavedTensorStore):
         return _Compressed(MASK_CODEC, MASK_CODEC.compress(t), op)
 
     def compress(self, t: torch.Tensor, op: str, is_output: bool) -> _Compressed | None:
-        result = compress_float(t, op, is_output, self.decisions[op])
-        return None if result is None else _Compressed(result[0], result[1], op)
+        place = (self._layer_number, op, is_output, tuple(t.shape))
+        result = compress_float(t, op, is_output, self.decisions[op], place)
+        if result is None:
+            return None
+        self.note_nonfinite(result[1].nonfinite, t, op)
+        return _Compressed(result[0], result[1], op)
 
     def _compress(self, t: torch.Tensor, op: str, is_output: bool, from_pack: bool) -> Any:
         # Deduplicate only tensors whose storage the layer's environment keeps alive for the whole forward
@@ -418,7 +430,7 @@ class _Frame(SavedTensorStore):
         """Store a segment input the way its producer's decision says."""
         if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or name in LAYER_INPUTS:
             return _StashEntry(value, bool(getattr(value, "requires_grad", False)))
-        op = PRODUCER[name]
+        op = self.flow.producer[name]
         return _StashEntry(self.store(value, op, name, -1, False), value.requires_grad)
 
     def release(self, env: dict[str, Any], names: Sequence[str]) -> None:
@@ -446,9 +458,12 @@ class _Frame(SavedTensorStore):
             self.producer.pop(ptr, None)
             self.forget(ptr)
 
-    @property
-    def site(self) -> str:  # formatted only for a NaN/Inf fallback's line, not at every layer forward
-        return f"layer {self._layer_number}"
+    def site_key(self) -> Any:  # the layer's name is formatted only for a NaN/Inf line, not at every save
+        return self._layer_number
+
+    @classmethod
+    def format_site(cls, key: Any) -> str:
+        return f"layer {key}"
 
     def register_outputs(self, op: str, outputs: Mapping[str, Any]) -> None:
         for name, value in outputs.items():
@@ -630,6 +645,5 @@ def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None
                     mem.stash_bytes += unique_storage_bytes([value], seen)
         if seg.rng is not None:
             mem.rng_bytes += rng_state_nbytes(seg.rng)
-    mem.nonfinite_fallbacks = frame.fallbacks
     mem.shared = {ptr: n for ptr, n in frame.shared.items() if ptr != storage_ptr(hidden_states)}
     return mem

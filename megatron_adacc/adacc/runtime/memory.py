@@ -10,12 +10,13 @@ per op output, what storing it as a *segment input* would add (nothing when the 
 
 * keep: the op's saved bytes; compress: their packed bytes (non-float tensors stay kept); recompute: 0;
 * each recompute segment that still has tokens after forward (its ops saved something, or a later live
-  segment reads one of its outputs) holds its inputs (when not already saved) and, when it contains a
-  dropout, one copy of Megatron's RNG states;
+  segment reads one of its outputs) holds its inputs (when not already saved) and, when it contains an op that
+  draws random numbers (a dropout; with SDPA attention, ``context``), one copy of Megatron's RNG states;
 * the layer input is always held (it is the layer's checkpoint).
 
 So the prediction and the runtime's measurement agree exactly on the batch that was profiled; on other batches
-they differ only by data-dependent codec sizes (outlier counts) and NaN/Inf fallbacks.
+they differ only by data-dependent codec sizes (outlier channels: the runtime stores up to a capacity learned
+from the previous step, :mod:`.capacity`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from megatron_adacc.adacc.runtime.checkpoint import (
     never_unpacked,
     rng_state_nbytes,
 )
-from megatron_adacc.adacc.runtime.ops import LAYER_INPUTS, PRODUCER, RNG_OPS, initial_env, layer_ops, segment_inputs
-from megatron_adacc.codecs import NonFiniteInputError
+from megatron_adacc.adacc.runtime.ops import DATAFLOWS, LAYER_INPUTS, dataflow, initial_env, layer_ops, segment_inputs
 from megatron_adacc.core.saved import storage_ptr, tensor_key, unique_storage_bytes
+from megatron_adacc.models import UNFUSED
 
 CodecKey = tuple  # (codec name, sorted params)
 
@@ -89,6 +90,9 @@ class LayerSizes:
     input_bytes: int
     rng_bytes: int
     """Bytes of one captured set of RNG states (default generator, "CUDA" state, tracker states)."""
+    kind: str = UNFUSED
+    """The layer's attention kind: whose op table (:data:`~megatron_adacc.adacc.runtime.ops.DATAFLOWS`) says
+    what a recompute segment reads and which ops draw random numbers."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -187,7 +191,8 @@ def profile_layer_sizes(
     finally:
         recorder.release()
         env.clear()
-    return LayerSizes(ops=sizes, input_bytes=hidden_states.untyped_storage().nbytes(), rng_bytes=rng_bytes)
+    return LayerSizes(ops=sizes, input_bytes=hidden_states.untyped_storage().nbytes(), rng_bytes=rng_bytes,
+                      kind=dataflow(layer).kind)
 
 
 def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecorder,
@@ -246,10 +251,7 @@ def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: Co
     total = 0
     kept: list[torch.Tensor] = []
     for t, is_output in entries:
-        try:
-            result = compress_tensor(t.detach(), op, is_output, decision)
-        except NonFiniteInputError:
-            result = None
+        result = compress_tensor(t.detach(), op, is_output, decision)
         if result is None:
             kept.append(t)
         else:
@@ -276,20 +278,22 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
     segs = [[OP_NAMES[i] for i in run]
             for run in segments(decisions[name].action == Action.RECOMPUTE for name in OP_NAMES)]
     seg_of = {name: i for i, seg in enumerate(segs) for name in seg}
+    flow = DATAFLOWS[sizes.kind]
+    producers = flow.producer
     live: set[int] = set()
     for i in reversed(range(len(segs))):
         seg = segs[i]
         if any(sizes.ops[name].saved_count for name in seg) or i in live:
             live.add(i)
-            for value in segment_inputs(seg):
-                if value in PRODUCER and PRODUCER[value] in seg_of:
-                    live.add(seg_of[PRODUCER[value]])
+            for value in segment_inputs(seg, sizes.kind):
+                if value in producers and producers[value] in seg_of:
+                    live.add(seg_of[producers[value]])
     for i in sorted(live):
         seg = segs[i]
-        for value in segment_inputs(seg):
-            if value in LAYER_INPUTS or value not in PRODUCER:
+        for value in segment_inputs(seg, sizes.kind):
+            if value in LAYER_INPUTS or value not in producers:
                 continue
-            producer = PRODUCER[value]
+            producer = producers[value]
             d = decisions[producer]
             s = sizes.ops[producer]
             if value not in s.stash_keep_bytes:  # a Parameter (bias) or None
@@ -298,7 +302,7 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
                 mem.stash_bytes += s.stash_keep_bytes[value]
             elif d.action == Action.COMPRESS:
                 mem.stash_bytes += s.stash_compressed_bytes[value][codec_key(d.codec, d.codec_params)]
-        if any(name in RNG_OPS for name in seg):
+        if any(name in flow.rng_ops for name in seg):
             mem.rng_bytes += sizes.rng_bytes
     return mem
 

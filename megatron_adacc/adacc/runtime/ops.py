@@ -30,6 +30,24 @@ mlp_bda             fc2_out, fc2_bias, attn_out                            outpu
 ``*_bias`` values are the linear layers' bias *Parameters* (or ``None``), returned separately because
 megatron builds those linears with ``skip_bias_add=True``; they are never activations.
 
+That is the table of megatron's ``DotProductAttention`` (kind ``unfused``). A layer whose core attention is
+:class:`~megatron_adacc.models.attention.SDPAttention` (kind ``sdpa``) keeps the 13 names, so policies, profiles
+and the solvers see the same ops, but its attention is one fused kernel: ``scores``, ``softmax`` and ``dropout``
+read and write nothing (they hold nothing and cost nothing), and ``context`` runs the core attention itself:
+
+==================  =====================================================  =================================
+op (sdpa)           reads                                                  writes
+==================  =====================================================  =================================
+scores              --                                                     --
+softmax             --                                                     --
+dropout             --                                                     --
+context             query, key, value, attention_mask                      context
+==================  =====================================================  =================================
+
+So the q, k, v the kernel saves belong to ``linear_qkv`` (their producer), its output and log-sum-exp to
+``context``, and with attention dropout on ``context`` is the op that draws random numbers.
+:func:`dataflow` gives a layer's table (:class:`Dataflow`).
+
 API for the profiler (policy helper)::
 
     from megatron_adacc.adacc.runtime.ops import layer_ops, initial_env, run_ops
@@ -62,15 +80,14 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
+from megatron_adacc.models import SDPA, UNFUSED
+from megatron_adacc.models.attention import attention_kind
 
 Env = dict[str, Any]
 
 #: Values the layer receives from outside; they are never produced by an op.
 LAYER_INPUTS: tuple[str, ...] = ("hidden_states", "attention_mask", "rotary_pos_emb")
-
-#: Ops that draw from a random generator when dropout is on (their re-runs need the saved RNG states).
-RNG_OPS: frozenset[str] = frozenset({"dropout", "self_attn_bda", "mlp_bda"})
 
 
 @dataclass(frozen=True)
@@ -101,16 +118,19 @@ def run_ops(ops: Sequence[LayerOp], env: Env) -> Env:
     return env
 
 
-def segment_inputs(ops: Sequence[LayerOp] | Sequence[str]) -> tuple[str, ...]:
+def segment_inputs(ops: Sequence[LayerOp] | Sequence[str], kind: str | None = None) -> tuple[str, ...]:
     """Names a run of consecutive ops (a recompute segment: :func:`megatron_adacc.adacc.policy.ops.segments`)
     reads but does not produce itself (its stored inputs), in first-use order.
 
-    ``ops`` are :class:`LayerOp` or op names: the dataflow is the same, and the memory predictor has no layer.
+    ``ops`` are :class:`LayerOp` or op names (the memory predictor has no layer); names need the layer's
+    attention ``kind``, whose table (:data:`DATAFLOWS`) says what each op reads and writes.
     """
+    if kind is None and any(isinstance(op, str) for op in ops):
+        raise TypeError("segment_inputs of op names needs the attention kind (kind=...) whose dataflow they follow")
     produced: set[str] = set()
     needed: list[str] = []
     for op in ops:
-        inputs, outputs = _DATAFLOW[op] if isinstance(op, str) else (op.inputs, op.outputs)
+        inputs, outputs = DATAFLOWS[kind].io[op] if isinstance(op, str) else (op.inputs, op.outputs)
         for name in inputs:
             if name not in produced and name not in needed:
                 needed.append(name)
@@ -188,6 +208,16 @@ def _context(layer, probs_dropped, value):
     return {"context": context}
 
 
+def _nothing(layer):
+    return {}
+
+
+def _sdpa_context(layer, query, key, value, attention_mask):
+    # SelfAttention.forward's call of its core attention, with the mask type it passes
+    attn = layer.self_attention
+    return {"context": attn.core_attention(query, key, value, attention_mask, attn_mask_type=attn.attn_mask_type)}
+
+
 def _linear_proj(layer, context):
     output, bias = layer.self_attention.linear_proj(context)
     return {"proj_out": output, "proj_bias": bias}
@@ -252,7 +282,9 @@ def _mlp_bda(layer, fc2_out, fc2_bias, attn_out):
     return {"output": make_viewless_tensor(inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True)}
 
 
-_TABLE: tuple[tuple[str, tuple[str, ...], tuple[str, ...], Callable[..., dict[str, Any]]], ...] = (
+Row = tuple[str, tuple[str, ...], tuple[str, ...], Callable[..., dict[str, Any]]]
+
+_TABLE: tuple[Row, ...] = (
     ("input_layernorm", ("hidden_states",), ("ln1",), _input_layernorm),
     ("linear_qkv", ("ln1", "rotary_pos_emb"), ("query", "key", "value"), _linear_qkv),
     ("scores", ("query", "key"), ("scores",), _scores),
@@ -268,15 +300,53 @@ _TABLE: tuple[tuple[str, tuple[str, ...], tuple[str, ...], Callable[..., dict[st
     ("mlp_bda", ("fc2_out", "fc2_bias", "attn_out"), ("output",), _mlp_bda),
 )
 
-assert tuple(row[0] for row in _TABLE) == OP_NAMES, "runtime ops out of sync with megatron_adacc.adacc.policy.ops"
+#: The fused kernel replaces the attention's four ops: three empty ones, and ``context`` running the kernel.
+_SDPA_ROWS: dict[str, Row] = {
+    "scores": ("scores", (), (), _nothing),
+    "softmax": ("softmax", (), (), _nothing),
+    "dropout": ("dropout", (), (), _nothing),
+    "context": ("context", ("query", "key", "value", "attention_mask"), ("context",), _sdpa_context),
+}
 
-#: Output name -> the op that produces it.
-PRODUCER: dict[str, str] = {out: row[0] for row in _TABLE for out in row[2]}
 
-#: Op name -> (inputs, outputs), for :func:`segment_inputs` of op names.
-_DATAFLOW: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {row[0]: (row[1], row[2]) for row in _TABLE}
+class Dataflow:
+    """The op table of one attention kind: what each op reads and writes, who produces each value, and which
+    ops draw from a random generator when dropout is on (their re-runs need the saved RNG states)."""
+
+    def __init__(self, kind: str, table: Sequence[Row], rng_ops: frozenset[str]):
+        assert tuple(row[0] for row in table) == OP_NAMES, "runtime ops out of sync with adacc.policy.ops"
+        self.kind = kind
+        self.table = tuple(table)
+        self.rng_ops = rng_ops
+        #: Output name -> the op that produces it.
+        self.producer: dict[str, str] = {out: row[0] for row in self.table for out in row[2]}
+        #: Op name -> (inputs, outputs).
+        self.io: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {row[0]: (row[1], row[2]) for row in self.table}
+
+
+_UNFUSED_RNG = frozenset(op.name for op in OPS if op.uses_rng)  # the policy's ops table owns this fact
+DATAFLOWS: dict[str, Dataflow] = {
+    UNFUSED: Dataflow(UNFUSED, _TABLE, _UNFUSED_RNG),
+    SDPA: Dataflow(SDPA, [_SDPA_ROWS.get(row[0], row) for row in _TABLE], _UNFUSED_RNG - {"dropout"} | {"context"}),
+}
+
+#: Output name -> producing op of the unfused table (the attention without a kernel).
+PRODUCER: dict[str, str] = DATAFLOWS[UNFUSED].producer
+#: The unfused table's random ops: also, in either table, the ops whose own saved floats are dropout multipliers
+#: (the SDPA kernel draws in ``context`` but saves no mask: a CUDA kernel keeps its Philox seed, and on the CPU
+#: attention dropout is refused).
+RNG_OPS: frozenset[str] = DATAFLOWS[UNFUSED].rng_ops
+
+
+def dataflow(layer: torch.nn.Module) -> Dataflow:
+    """The op table of ``layer``, chosen by its core attention (``DotProductAttention`` or ``SDPAttention``)."""
+    kind = attention_kind(layer.self_attention.core_attention)
+    if kind is None:
+        raise TypeError(f"core attention {type(layer.self_attention.core_attention).__name__} has no Adacc op "
+                        "table (check_layer refuses such a layer before it runs)")
+    return DATAFLOWS[kind]
 
 
 def layer_ops(layer: torch.nn.Module) -> list[LayerOp]:
     """The 13 ops of ``layer`` in forward order (see the module docstring for their dataflow)."""
-    return [LayerOp(name, inputs, outputs, fn, layer) for name, inputs, outputs, fn in _TABLE]
+    return [LayerOp(name, inputs, outputs, fn, layer) for name, inputs, outputs, fn in dataflow(layer).table]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megatron_adacc.comm.base import Compressor, PayloadSpec
+from megatron_adacc.comm.compressors._generator import DeviceGenerator
 from megatron_adacc.comm.compressors.topk import check_density, k_for
 
 
@@ -24,8 +25,10 @@ class DGCCompressor(Compressor):
 
     The payload has the fixed layout of Top-k (``k`` values + ``k`` int32 indices) so that every rank's
     payload has the same size and one all-gather serves a whole bucket; when fewer than ``k`` entries pass
-    the threshold the rest is padding (index 0, value 0), which adds nothing on decompression. The sample is
-    drawn from this compressor's own generator (seeded per rank), saved in checkpoints.
+    the threshold the rest is padding (index 0, value 0), which adds nothing on decompression. Step 3's two
+    cases are one computation of fixed size, so the host never reads how many entries pass: the ``k`` largest
+    entries, largest first, of which those under the threshold are sent as padding. The sample is drawn from
+    this compressor's own generator on the gradient's device (seeded per rank), saved in checkpoints.
     """
 
     name = "dgc"
@@ -38,36 +41,32 @@ class DGCCompressor(Compressor):
             raise ValueError(f"DGC sample_ratio must be in (0, 1], got {sample_ratio}")
         self.sample_ratio = sample_ratio
         self.min_sample = min_sample
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
+        self.random = DeviceGenerator(seed)
 
     def layout(self, numel: int, dtype: torch.dtype) -> list[PayloadSpec]:
         k = k_for(numel, self.density)
         return [PayloadSpec(dtype, k), PayloadSpec(torch.int32, k)]
 
-    def sample_indices(self, numel: int) -> torch.Tensor | None:
-        """Indices of the sampled entries, or None for "the whole tensor"."""
+    def sample_indices(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """Indices of the sampled entries (drawn on ``device``), or None for "the whole tensor"."""
         m = max(self.min_sample, math.ceil(self.sample_ratio * numel))
         if m >= numel:
             return None
-        return torch.randint(0, numel, (m,), generator=self.generator)
+        return torch.randint(0, numel, (m,), generator=self.random.on(device), device=device)
 
     def compress(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         flat = tensor.reshape(-1)
         n = flat.numel()
         k = k_for(n, self.density)
         magnitude = flat.abs()
-        picked = self.sample_indices(n)
+        picked = self.sample_indices(n, flat.device)
         sample = magnitude if picked is None else magnitude[picked.to(flat.device)]
         k_sample = max(1, min(sample.numel(), math.ceil(self.density * sample.numel())))
         threshold = sample.topk(k_sample, sorted=False).values.min()
-        selected = (magnitude >= threshold).nonzero().view(-1)
-        if selected.numel() > k:
-            selected = selected[magnitude[selected].topk(k, sorted=False).indices]
-        values = torch.zeros(k, dtype=flat.dtype, device=flat.device)
-        indices = torch.zeros(k, dtype=torch.int32, device=flat.device)
-        values[: selected.numel()] = flat[selected]
-        indices[: selected.numel()] = selected.to(torch.int32)
+        top = magnitude.topk(k)  # more than k pass: these k; fewer: all that pass come first
+        passes = top.values >= threshold
+        values = torch.where(passes, flat[top.indices], 0)
+        indices = torch.where(passes, top.indices, 0).to(torch.int32)
         return [values, indices]
 
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
@@ -77,7 +76,7 @@ class DGCCompressor(Compressor):
         out.view(-1).index_add_(0, indices.long(), values)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
+        return self.random.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
+        self.random.load_state_dict(state)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from megatron_adacc.comm.base import Compressor, PayloadSpec
+from megatron_adacc.comm.compressors._generator import DeviceGenerator
 
 
 class QSGDCompressor(Compressor):
@@ -16,7 +17,8 @@ class QSGDCompressor(Compressor):
     For a tensor ``x`` with ``||x||_2 = nrm``: ``l_i = floor(s |x_i| / nrm)`` rounded up with probability
     ``s |x_i| / nrm - l_i`` (so ``E[Q(x)] = x``), sent as ``sign(x_i) l_i`` in int8 (``s <= 127``) plus
     ``nrm`` in the tensor's dtype; decompression is ``nrm / s * sign(x_i) l_i``. The random draws come from
-    this compressor's own generator (seeded per rank), saved in checkpoints.
+    this compressor's own generator on the gradient's device (seeded per rank), saved in checkpoints. Nothing is
+    read on the host: a zero tensor divides by 1 instead of its norm, which gives levels 0 without a branch.
     """
 
     name = "qsgd"
@@ -27,8 +29,7 @@ class QSGDCompressor(Compressor):
                 f"QSGD levels must be in [1, 127] (int8 payload), got {levels}; e.g. --qsgd-levels 16"
             )
         self.levels = int(levels)
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
+        self.random = DeviceGenerator(seed)
 
     def layout(self, numel: int, dtype: torch.dtype) -> list[PayloadSpec]:
         return [PayloadSpec(dtype, 1), PayloadSpec(torch.int8, numel)]
@@ -36,11 +37,9 @@ class QSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         flat = tensor.reshape(-1)
         norm = flat.norm(p=2).reshape(1)
-        if norm.item() == 0.0:
-            return [norm, torch.zeros(flat.numel(), dtype=torch.int8, device=flat.device)]
-        scaled = flat.abs().float() / norm.float() * self.levels
+        scaled = flat.abs().float() / torch.where(norm > 0, norm, 1).float() * self.levels
         level = scaled.floor()
-        noise = torch.rand(scaled.shape, generator=self.generator).to(scaled.device)
+        noise = torch.rand(scaled.shape, generator=self.random.on(flat.device), device=flat.device)
         level += (noise < (scaled - level)).float()
         level.clamp_(max=self.levels)
         return [norm, (level * flat.sign().float()).to(torch.int8)]
@@ -51,7 +50,7 @@ class QSGDCompressor(Compressor):
         out.view(-1).add_(levels.to(out.dtype) * scale)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
+        return self.random.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
+        self.random.load_state_dict(state)

@@ -15,8 +15,9 @@ from megatron_adacc.comm.base import Memory, ParamSlot
 from megatron_adacc.comm.groups import Group, GroupPlan, build_groups
 from megatron_adacc.comm.memories.residual import dtype_bytes
 
-#: ``weights(residuals) -> [w_1, ..., w_alpha]`` for the members of one reusable group.
-Weighting = Callable[[Sequence[torch.Tensor]], list[float]]
+#: ``weights(residuals) -> [w_1, ..., w_alpha]`` for the members of one reusable group: numbers, or 0-d tensors
+#: on the residuals' device (weights computed from the residuals stay there: nothing is read on the host).
+Weighting = Callable[[Sequence[torch.Tensor]], list[float] | list[torch.Tensor]]
 
 INDEX_DTYPE = torch.int64
 
@@ -43,6 +44,15 @@ class IntraLayerScheme(ABC):
     @abstractmethod
     def formula_bytes(self, rows: int, cols: int, dtype: torch.dtype) -> int:
         """Bytes :meth:`allocate` holds for a ``rows x cols`` residual."""
+
+
+def _weighted_mean(out: torch.Tensor, residuals: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
+    """``out = sum_i w_i r_i / sum_i w_i`` with device weights (``out`` zeroed; it stays zero when every weight is,
+    which only all-zero residuals give)."""
+    total = torch.stack(list(weights)).sum()
+    for w, r in zip(weights, residuals):
+        out.addcmul_(r, w.to(out.dtype))  # w is 0-d: no residual-sized temporary
+    out.div_(torch.where(total > 0, total, 1.0).to(out.dtype))
 
 
 def check_ratio(ratio: float) -> float:
@@ -143,9 +153,12 @@ class ResiReduceMemory(Memory):
                 )
             ordered = [residuals[m] for m in group.members]
             weights = self.weighting(ordered)
-            total = sum(weights)
             shared = self.shared[key]
             shared.zero_()
+            if all(isinstance(w, torch.Tensor) for w in weights):
+                _weighted_mean(shared, ordered, weights)
+                continue
+            total = sum(weights)
             if total == 0.0:
                 continue
             for w, r in zip(weights, ordered):

@@ -11,14 +11,15 @@ import torch
 from megatron_adacc.comm.memories._resireduce import ResiReduceMemory
 
 
-def significance_weights(residuals: Sequence[torch.Tensor], phi: float = 0.5) -> list[float]:
-    """``w_i = phi ||r_i||_1 / n_i + (1 - phi) ||r_i||_2 / sqrt(n_i)`` (``n_i`` elements of ``r_i``)."""
+def significance_weights(residuals: Sequence[torch.Tensor], phi: float = 0.5) -> list[torch.Tensor]:
+    """``w_i = phi ||r_i||_1 / n_i + (1 - phi) ||r_i||_2 / sqrt(n_i)`` (``n_i`` elements of ``r_i``), as 0-d
+    float64 tensors on the residuals' device: they are only used there, so nothing is read on the host."""
     weights = []
     for r in residuals:
         n = r.numel()
         # vector_norm reduces without materializing |r| or a float64 copy of a layer-sized residual.
-        l1 = torch.linalg.vector_norm(r, ord=1).item()
-        l2 = torch.linalg.vector_norm(r, ord=2).item()
+        l1 = torch.linalg.vector_norm(r, ord=1).double()
+        l2 = torch.linalg.vector_norm(r, ord=2).double()
         weights.append(phi * l1 / n + (1.0 - phi) * l2 / math.sqrt(n))
     return weights
 
