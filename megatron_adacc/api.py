@@ -118,6 +118,7 @@ def _arguments(config: Any, model: Any, policy: Any, *, budget: int | str | None
     args.seq_length = _positive("seq_length", seq_length if seq_length is not None else
                                 getattr(model, "max_sequence_length", None))
     args.position_embedding_type = getattr(model, "position_embedding_type", "learned_absolute")
+    args.attention_backend = _attention_backend_of(model)
     args.bf16, args.fp16 = bool(config.bf16), bool(config.fp16)
     args.device = _device_of(model)
     args.seed = 1234  # the profiling batch's draw (Megatron's default seed); the caller's RNG is left as it was
@@ -136,6 +137,18 @@ def _positive(name: str, value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     return value
+
+
+def _attention_backend_of(model: Any) -> str | None:
+    """The ``--attention-backend`` that builds ``model``'s core attention, so ``auto`` profiles the same layer
+    (None, the default, for a bare config: megatron-core's DotProductAttention)."""
+    if model is None:
+        return None
+    from megatron_adacc.models import ATTENTION_BACKENDS, BACKEND_KINDS
+    from megatron_adacc.models.attention import attention_kind
+
+    kinds = {attention_kind(m) for m in model.modules()} - {None}
+    return next((name for name in ATTENTION_BACKENDS if BACKEND_KINDS[name] in kinds), None)
 
 
 def _device_of(model: Any) -> str:

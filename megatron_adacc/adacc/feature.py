@@ -130,6 +130,7 @@ def problems(args: Any) -> list[str]:
                      "--transformer-impl local")
     if getattr(args, "num_experts", None) is not None:
         found.append("--adacc-policy supports dense GPT layers only; drop --num-experts")
+    found += _attention_problems(args)
     if getattr(args, "adacc_trace_backward", False) and getattr(args, "device", "cpu") != "cuda":
         from megatron_adacc.adacc.runtime.stages import trace_problem
 
@@ -137,6 +138,22 @@ def problems(args: Any) -> list[str]:
         if problem is not None:
             found.append(problem)
     return found
+
+
+def _attention_problems(args: Any) -> list[str]:
+    """Megatron-LM's local layer builds megatron-core's DotProductAttention whatever --attention-backend says (its
+    --spec is what swaps the layer): profiling the SDPA layer the flag names would solve for another model."""
+    from megatron_adacc.models import SDPA, SDPA_SPEC_FLAG, backend_kind
+
+    backend = getattr(args, "attention_backend", None)
+    if getattr(args, "transformer_impl", None) != "local" or getattr(args, "spec", None) or backend is None:
+        return []
+    if backend_kind(backend) != SDPA:
+        return []
+    name = getattr(backend, "name", backend)
+    return [f"--attention-backend {name}: Megatron-LM's local layer (--transformer-impl local) builds megatron-core's "
+            f"DotProductAttention for every backend; for PyTorch's SDPA attention add {' '.join(SDPA_SPEC_FLAG)}, "
+            "or drop --attention-backend"]
 
 
 def preflight(args: Any) -> None:

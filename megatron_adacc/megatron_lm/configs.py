@@ -5,7 +5,9 @@ One file describes a model for both entry points: ``adacc train --config gpt-345
 Keys are Megatron-LM flag names with ``_`` for ``-``, so the translation is mechanical: ``true`` becomes the
 bare flag, ``false`` is left out (every boolean key is a Megatron ``store_true`` flag), anything else becomes
 ``--flag value``. Megatron-LM needs ``--max-position-embeddings`` with learned positions; it defaults to the
-sequence length.
+sequence length. Megatron-LM's local layer ignores ``--attention-backend``: a config whose backend is PyTorch's
+SDPA (``flash``, ``fused``) also gets the ``--spec`` that builds that layer
+(:data:`megatron_adacc.models.SDPA_SPEC_FLAG`).
 
 Usage: ``python -m megatron_adacc.megatron_lm.configs CONFIG [--set KEY=VALUE ...]`` prints the flags,
 shell-quoted, on one line.
@@ -26,6 +28,7 @@ else:  # pragma: no cover
 
 from megatron_adacc.core import config_files
 from megatron_adacc.core.errors import InputNotFound
+from megatron_adacc.models import SDPA, SDPA_SPEC_FLAG, backend_kind
 
 
 def resolve(name: str | Path) -> Path:
@@ -53,6 +56,8 @@ def to_argv(values: dict[str, Any]) -> list[str]:
     if learned and "seq_length" in values:
         values.setdefault("max_position_embeddings", values["seq_length"])
     argv: list[str] = []
+    if "attention_backend" in values and backend_kind(values["attention_backend"]) == SDPA and "spec" not in values:
+        argv += SDPA_SPEC_FLAG
     for key, value in values.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):

@@ -70,18 +70,22 @@ def tiny_config(**overrides):
     return TransformerConfig(**{**TINY_CONFIG, **overrides})
 
 
-def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, **config_overrides) -> torch.nn.Module:
-    """megatron-core's ``GPTModel`` with the local spec, deterministic weights from ``seed``."""
+def build_tiny_gpt(seq_length: int = 32, seed: int = 1234, *, attention_backend: str | None = None,
+                   position_embedding_type: str = "learned_absolute", **config_overrides) -> torch.nn.Module:
+    """megatron-core's ``GPTModel`` with the local spec (its core attention as ``--attention-backend`` names it),
+    deterministic weights from ``seed``."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_adacc.models.attention import gpt_layer_spec
 
     init_distributed_single(seed)
     set_seed(seed)
     return GPTModel(
         config=tiny_config(**config_overrides),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=gpt_layer_spec(attention_backend),
         vocab_size=VOCAB_SIZE,
         max_sequence_length=seq_length,
+        position_embedding_type=position_embedding_type,
     )
 
 

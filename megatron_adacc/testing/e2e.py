@@ -34,6 +34,7 @@ from pathlib import Path
 
 from megatron_adacc.comm.options import SCHEMES
 from megatron_adacc.compat.process import free_port
+from megatron_adacc.models import SDPA_SPEC_FLAG
 from megatron_adacc.testing.records import RECORD_ENV, read_records
 
 #: A 2-layer GPT, mock data, 2 micro-batches per step, no apex (the flags an apex-less image needs).
@@ -82,6 +83,9 @@ ADAMA = ("--adama", "--clip-grad", "0", "--ckpt-format", "torch")
 AUTO = ("--adacc-policy", "auto")
 #: GACT's adaptive bits, re-allocated every 2 iterations so that a resumed run depends on the saved widths.
 GACT = ("--gact-level", "L2", "--gact-adapt-interval", "2")
+#: PyTorch's SDPA attention, through Megatron-LM's own ``--spec`` (its local layer ignores --attention-backend),
+#: without attention dropout, which the CPU kernel lacks.
+SDPA = (*SDPA_SPEC_FLAG, "--attention-dropout", "0")
 
 
 def _is_auto(c: Case) -> bool:
@@ -121,6 +125,10 @@ CASES: tuple[Case, ...] = (
     Case("adama-resume", ADAMA, resume_at=5, reference="adama"),
     Case("gact", GACT, trains=True),
     Case("gact-resume", GACT, resume_at=5, reference="gact"),
+    # The SDPA layer: stock Megatron-LM and Adacc on the same attention.
+    Case("stock-sdpa", SDPA, stock=True),
+    Case("keep-sdpa", (*SDPA, "--adacc-policy", "keep"), reference="stock-sdpa"),
+    Case("recompute-sdpa", (*SDPA, "--adacc-policy", "recompute"), reference="stock-sdpa"),
 )
 
 

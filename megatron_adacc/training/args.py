@@ -132,7 +132,8 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
 
 #: Flags that must be positive integers for a model and a schedule to exist.
 _POSITIVE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-             "global_batch_size", "train_iters", "ffn_hidden_size", "save_interval", "recompute_num_layers")
+             "global_batch_size", "train_iters", "ffn_hidden_size", "save_interval", "recompute_num_layers",
+             "num_query_groups")
 _NON_NEGATIVE = (lambda v: v >= 0, "a non-negative number")
 _PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
 #: Numbers with a range (finite, and the test). Checked after parsing, because a config file's values reach the
@@ -155,9 +156,24 @@ def _check_shapes(args: argparse.Namespace, argv: list[str]) -> None:
     if not found and heads and hidden and hidden % heads:
         found.append(f"--hidden-size {hidden} is not a multiple of --num-attention-heads {heads} (each head gets "
                      f"hidden/heads channels); e.g. --num-attention-heads {_a_divisor(hidden, heads)}")
+    found += _query_group_problems(args) if not found else []
     found += _range_problems(args) + _path_problems(args) + core_features.idle_flags(features.FEATURES, args, argv)
     if found:
         raise IntegrationError("; ".join(found))
+
+
+def _query_group_problems(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM reads --num-query-groups only under --group-query-attention: a run that gave the one without
+    the other would train full multi-head attention believing it grouped."""
+    groups, heads = getattr(args, "num_query_groups", None), getattr(args, "num_attention_heads", None)
+    if not getattr(args, "group_query_attention", None):
+        return [] if groups is None else [f"--num-query-groups {groups} takes effect only with "
+                                          "--group-query-attention (as in Megatron-LM); add it"]
+    groups = groups or 1
+    if heads and heads % groups:
+        return [f"--num-query-groups {groups} does not divide --num-attention-heads {heads} (each key/value head "
+                f"serves heads/groups query heads); e.g. --num-query-groups {_a_divisor(heads, groups)}"]
+    return []
 
 
 def _range_problems(args: argparse.Namespace) -> list[str]:

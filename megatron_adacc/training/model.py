@@ -12,7 +12,9 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_adacc.core.devices import resolve_device
 from megatron_adacc.core.errors import IntegrationError
+from megatron_adacc.models import backend_kind, dropout_problem
 from megatron_adacc.training.data import VOCAB_SIZE
 
 
@@ -24,6 +26,8 @@ def transformer_config(args: SimpleNamespace, device: torch.device):
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        # Megatron-LM's pair: --num-query-groups counts only under --group-query-attention (default 1 there)
+        num_query_groups=(args.num_query_groups or 1) if args.group_query_attention else None,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
@@ -60,18 +64,24 @@ def check_supported(args: SimpleNamespace) -> None:
             "megatron-core 0.16/0.19 recurse without bound in CheckpointFunction.backward (the fc2 bias "
             "Parameter is returned through the checkpoint). Add --disable-bias-linear or drop 'mlp'."
         )
+    dropout = dropout_problem(backend_kind(args.attention_backend), args.attention_dropout,
+                              resolve_device(args.device).type)
+    if dropout:
+        raise IntegrationError(dropout)
     if args.recompute_granularity == "full" and not args.recompute_method:
         raise IntegrationError("--recompute-granularity full needs --recompute-method uniform or block "
                          "(and --recompute-num-layers), as in Megatron-LM.")
 
 
 def build_gpt(args: SimpleNamespace, config) -> torch.nn.Module:
+    """megatron-core's ``GPTModel``: the local layer with the core attention ``--attention-backend`` names."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_adacc.models.attention import gpt_layer_spec
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=gpt_layer_spec(args.attention_backend),
         vocab_size=VOCAB_SIZE,
         max_sequence_length=args.seq_length,
         position_embedding_type=args.position_embedding_type,

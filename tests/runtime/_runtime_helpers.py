@@ -30,3 +30,15 @@ def grads_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     """Names whose gradients differ (empty when bit-identical); fails on differing key sets."""
     assert a.keys() == b.keys() and len(a) > 10
     return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def megatron_full_recompute(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of ``model`` under Megatron's own full recompute (uniform, one layer per chunk)."""
+    from megatron_adacc.testing import loss_and_grads
+
+    cfg = model.config
+    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
+    try:
+        return loss_and_grads(model, batch)
+    finally:
+        cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None

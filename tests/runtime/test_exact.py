@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from _runtime_helpers import decisions, grads_equal, policy_of
+from _runtime_helpers import decisions, grads_equal, megatron_full_recompute, policy_of
 
 import megatron_adacc
 from megatron_adacc.adacc.policy.ops import OP_NAMES
@@ -40,12 +40,7 @@ def test_all_keep_equals_stock_megatron(model, batch, reference):
 
 
 def test_all_recompute_equals_megatron_full_recompute(model, batch):
-    cfg = model.config
-    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
-    try:
-        full = loss_and_grads(model, batch)
-    finally:
-        cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None
+    full = megatron_full_recompute(model, batch)
     loss, grads = _with_policy(model, batch, "recompute")
     assert torch.equal(loss, full[0])
     assert grads_equal(grads, full[1]) == []

@@ -64,11 +64,14 @@ def check_config(config: Any, *, ours: bool = False) -> None:
 
 
 def check_layer(layer: Any) -> None:
-    """Raise :class:`UnsupportedConfigError` unless ``layer`` is a local-spec dense ``TransformerLayer``."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    """Raise :class:`UnsupportedConfigError` unless ``layer`` is a local-spec dense ``TransformerLayer`` whose core
+    attention is megatron's ``DotProductAttention`` or megatron-adacc's ``SDPAttention``."""
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_adacc.models import SDPA_SPEC_FLAG
+    from megatron_adacc.models.attention import attention_kind
 
     hint = ("build the model with megatron-core's local layer spec (get_gpt_layer_local_spec(), "
             "--transformer-impl local)")
@@ -77,10 +80,11 @@ def check_layer(layer: Any) -> None:
     attn = getattr(layer, "self_attention", None)
     if type(attn).__name__ != "SelfAttention":
         raise UnsupportedConfigError(f"self_attention is {type(attn).__name__}, expected SelfAttention; {hint}")
-    if not isinstance(attn.core_attention, DotProductAttention):
+    if attention_kind(attn.core_attention) is None:
         raise UnsupportedConfigError(
-            f"core attention is {type(attn.core_attention).__name__}; the Adacc ops split megatron's "
-            f"DotProductAttention into scores/softmax/dropout/context; {hint}")
+            f"core attention is {type(attn.core_attention).__name__}; the Adacc ops decompose megatron's "
+            "DotProductAttention (--attention-backend local) and PyTorch's SDPA (--attention-backend flash; in "
+            f"Megatron-LM {' '.join(SDPA_SPEC_FLAG)}); {hint}")
     if type(layer.mlp) is not MLP:
         raise UnsupportedConfigError(f"the MLP is {type(layer.mlp).__name__}, expected a dense MLP "
                                      f"(drop --num-experts); {hint}")

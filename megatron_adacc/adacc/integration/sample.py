@@ -3,9 +3,10 @@ and the embedding of one batch of text (:class:`~megatron_adacc.adacc.integratio
 
 Built here, with megatron-core directly, because both hosts (``adacc train`` and Megatron-LM) reach the profiler
 through the same feature entry and neither can hand it their model or data at that point. The model is what
-``adacc train`` builds (local layer spec, byte vocabulary, tied embeddings) with one layer, and the batch is the
-first one ``adacc train``'s sampler draws from its default corpus, Python's reference documentation, which every
-CPython install has: the same weights and activations, so the same profile. ``tests/policy/test_profiler.py``
+``adacc train`` builds (local layer spec with the core attention of ``--attention-backend``, or Megatron-LM's
+``--spec``; byte vocabulary, tied embeddings) with one layer, and the batch is the first one ``adacc train``'s
+sampler draws from its default corpus, Python's reference documentation, which every CPython install has: the
+same weights and activations, so the same profile. ``tests/policy/test_profiler.py``
 checks the two stay equal. Other corpora (``--corpus``) do not change the sample: a stored profile is keyed by
 the model signature alone, and is reused whatever text a later run trains on.
 """
@@ -36,12 +37,14 @@ def one_layer_config(config: Any) -> Any:
 
 
 def one_layer_gpt(args: Any, config: Any, device: torch.device) -> torch.nn.Module:
-    """megatron-core's ``GPTModel`` (local spec) with ``config``'s shape and one layer, in training mode."""
+    """megatron-core's ``GPTModel`` with the layer spec the host builds (its core attention included) and
+    ``config``'s shape but one layer, in training mode."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_adacc.models.attention import layer_spec
 
     one = one_layer_config(config)
-    model = GPTModel(config=one, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=BYTE_VOCAB,
+    model = GPTModel(config=one, transformer_layer_spec=layer_spec(args), vocab_size=BYTE_VOCAB,
                      max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=True)
     if args.bf16:
