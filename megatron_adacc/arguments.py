@@ -14,11 +14,20 @@ from __future__ import annotations
 import argparse
 
 from megatron_adacc import features
+from megatron_adacc.core.log import level_of
 from megatron_adacc.core.units import checked, parse_bytes
+from megatron_adacc.models import ATTENTION_BACKENDS
 
 __all__ = ["add_adacc_args", "add_megatron_args", "parse_bytes"]
 
 _POSITIVE_MINUTES = checked(float, lambda m: m > 0, "a positive number of minutes")
+
+
+def _logging_level(text: str) -> int:
+    try:
+        return level_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_adacc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,6 +45,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-layers", type=int, help="Transformer layers.")
     g.add_argument("--hidden-size", type=int, help="Hidden size.")
     g.add_argument("--num-attention-heads", type=int, help="Attention heads.")
+    g.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="Grouped-query attention: --num-query-groups key/value heads, each shared by a group of "
+                        "query heads.")
+    g.add_argument("--num-query-groups", type=int,
+                   help="Key/value heads under --group-query-attention (default 1); divides --num-attention-heads.")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   help="Core attention of the local layer: flash / fused: PyTorch's fused SDPA kernels (no s x s "
+                        "tensors); auto (default), local, unfused: megatron-core's DotProductAttention.")
     g.add_argument("--ffn-hidden-size", type=int, help="Default: 4 x hidden size.")
     g.add_argument("--seq-length", type=int, help="Tokens per sample.")
     g.add_argument("--hidden-dropout", type=float, help="Dropout after attention and MLP.")
@@ -78,4 +95,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="How long a collective (and the ranks' start-up meeting) waits for a rank that does not "
                         "answer (stopped, hung) before the job stops, naming that rank (default 10, Megatron-LM's; "
                         "fractions allowed).")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--logging-level", type=_logging_level, default=None, metavar="LEVEL",
+                   help="Megatron-LM's: the lowest level of the lines megatron-adacc prints, a number (10 debug, 20 "
+                        "info, the default, 30 warning, 40 error) or its name. `adacc -q` / `-v` win over it.")
     return parser

@@ -8,15 +8,15 @@ line) or ``ADACC_DEBUG=1`` shows its traceback instead.
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import logging
 import sys
 
 from megatron_adacc.core.errors import (
-    DEBUG_HELP,
     EXIT_INTERRUPTED,
     EXIT_REFUSED,
     ArgumentParser,
-    UsageError,
     refusal_boundary,
 )
 
@@ -33,6 +33,10 @@ def _train(argv: list[str]) -> int:
                     "Runs on CPU or CUDA, in one process or under torchrun.",
     ))
     args = parse_train_args(argv, parser)
+    if args.logging_level is not None:  # Megatron-LM's flag; -q / -v given to `adacc` win over it
+        from megatron_adacc.core import log
+
+        log.install(args.logging_level)
     from megatron_adacc.training.loop import train  # after parsing: a refused command line loads no torch
 
     train(args)
@@ -63,28 +67,49 @@ def main(argv: list[str] | None = None) -> int:
     return refusal_boundary(_dispatch, list(sys.argv[1:] if argv is None else argv))
 
 
+COMMANDS = {
+    "train": "train a megatron-core GPT (see `adacc train --help`)",
+    "bench": "run a benchmark (see `adacc bench --help`)",
+    "profile": "profile per-op costs of a transformer layer into the profile database",
+    "solve": "solve Adacc's MILP for a memory budget and write a policy file",
+    "show": "print a policy file as a per-op table",
+}
+
+
+def _top_parser() -> ArgumentParser:
+    from megatron_adacc import __version__
+
+    commands = "\n".join(f"  {name:<8} {text}" for name, text in COMMANDS.items())
+    parser = ArgumentParser(prog="adacc", usage="adacc [-h] [--version] [-q | -v] [--debug] COMMAND ...",
+                            description=f"commands:\n{commands}", formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true",
+                      help="Warnings and errors only: no status lines, no progress bars (results still print).")
+    loud.add_argument("-v", "--verbose", action="store_true", help="Debug lines too.")
+    parser.add_argument("command", nargs="?", choices=tuple(COMMANDS), metavar="COMMAND", help=argparse.SUPPRESS)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
 def _dispatch(argv: list[str]) -> int:
     from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.core import log
 
+    parser = _top_parser()
+    top = parser.parse_args(argv)
+    if top.command is None:  # no command is a usage mistake (argparse's status), not a request for help
+        parser.print_help(sys.stderr)
+        return EXIT_REFUSED
+    level = logging.WARNING if top.quiet else logging.DEBUG if top.verbose else None
+    log.install(level, pin=level is not None)
     quiet_fallback_warnings()
     commands = {"train": _train, "bench": _bench}
-    policy_commands = ("profile", "solve", "show")
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: adacc [--debug] {train,bench,profile,solve,show} ...\n\n"
-              "  train    train a megatron-core GPT (see `adacc train --help`)\n"
-              "  bench    run a benchmark (see `adacc bench --help`)\n"
-              "  profile  profile per-op costs of a transformer layer into the profile database\n"
-              "  solve    solve Adacc's MILP for a memory budget and write a policy file\n"
-              "  show     print a policy file as a per-op table\n\n" + DEBUG_HELP)
-        return 0
-    if argv[0] in commands:
-        return commands[argv[0]](argv[1:])
-    if argv[0] in policy_commands:
-        from megatron_adacc import policy_cli
+    if top.command in commands:
+        return commands[top.command](top.rest)
+    from megatron_adacc import policy_cli
 
-        return policy_cli.run(argv)
-    raise UsageError(f"unknown command {argv[0]!r}; the commands are train, bench, profile, solve and show "
-                     "(see `adacc --help`)")
+    return policy_cli.run([top.command, *top.rest])
 
 
 if __name__ == "__main__":

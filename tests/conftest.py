@@ -22,3 +22,22 @@ TEST_MEMORY_CAP_GIB = float(os.environ.get("ADACC_TEST_MEMORY_CAP_GIB", "10"))
 def _cap_memory():
     with memory_cap(TEST_MEMORY_CAP_GIB):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _library_logging():
+    """Each test starts as a program that imports the package: no handler on its logger. A test that runs
+    ``adacc`` in-process installs one (and may pick -q); it must not leak into the next test."""
+    from megatron_adacc.core import log
+
+    log.uninstall()
+    yield
+    log.uninstall()
+
+
+@pytest.fixture
+def adacc_log():
+    """The handler ``adacc`` installs, for tests that read its lines from captured standard error."""
+    from megatron_adacc.core import log
+
+    return log.install()

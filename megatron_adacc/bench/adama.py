@@ -23,10 +23,13 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 
 from megatron_adacc.bench import harness
 from megatron_adacc.core.devices import peak_resident_bytes, resident_bytes
+from megatron_adacc.core.log import Steps, echo
+from megatron_adacc.core.tables import WIDTH
 
 METHODS = ("adam_accumulation", "adama")
 
@@ -66,18 +69,20 @@ def run(args) -> dict:
         flags += ["--micro-batch-size", str(args.micro_batch_size)]
     # Quick mode measures memory at the largest N only: every child pays megatron's import (seconds).
     memory_ns = ns[-1:] if args.quick else ns
-    print(f"timing both methods, alternating, at N = {ns}; loss curves over {curve_steps} steps at "
-          f"N={args.curve_microbatches} ...", flush=True)
+    step = Steps(1 + len(memory_ns) * len(METHODS), "adama")
+    step(f"timing both methods, alternating, at N = {ns}; loss curves over {curve_steps} steps at "
+         f"N={args.curve_microbatches}")
     timed = harness.run_method_subprocess(__name__, {
         "mode": "time", "flags": flags,
         "runs": [[n, steps] for n in ns] + [[args.curve_microbatches, curve_steps]]})
     memory = {}
     for n in memory_ns:
         for method in METHODS:
-            print(f"N={n}: memory of {method} ...", flush=True)
+            step(f"N={n}: memory of {method}")
             memory[method, n] = harness.run_method_subprocess(
                 __name__, {"mode": "memory", "flags": flags, "n": n, "method": method, "steps": 2},
                 low_fragmentation_malloc=True)
+    step.close()
     methods: dict[str, dict] = {}
     for i, n in enumerate(ns):
         for method in METHODS:
@@ -104,10 +109,10 @@ def run(args) -> dict:
                             metrics=["step_time_s", "step_time_min_s", "tokens_per_s", "peak_memory_bytes",
                                      "training_memory_bytes", "gradient_held_bytes", "final_loss"],
                             title=f"N = {n} micro-batches ({size} model)")
-        print()
+        echo()
     summary = _summary(methods, ns, memory_ns, curves)
     for line in summary["lines"]:
-        print(line)
+        echo(textwrap.fill(line, WIDTH, subsequent_indent="    "))
     config = {"model_flags": flags, "microbatches": ns, "memory_microbatches": memory_ns, "steps": steps,
               "curve_steps": curve_steps, "curve_microbatches": args.curve_microbatches, "quick": args.quick,
               "time_runs": "default allocator, methods alternated step by step in one process, median of "
@@ -160,11 +165,9 @@ def _mib(n: float) -> str:
 
 
 def _plot(methods: dict, ns: list[int], curves: dict, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
+    if plt is None:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for m, style in zip(METHODS, ("-", "--")):
         ax1.plot(range(1, len(curves[m]) + 1), curves[m], style, label=m)
@@ -183,7 +186,7 @@ def _plot(methods: dict, ns: list[int], curves: dict, args) -> None:
     fig.tight_layout()
     path = harness.results_dir(args) / "adama.png"
     fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    harness.LOG.info("wrote %s", path)
 
 
 # ---------------------------------------------------------------------------- child

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from megatron_adacc.bench import harness
 from megatron_adacc.bench.common import interleaved_step_times, train_method
+from megatron_adacc.core.log import Steps, echo
+from megatron_adacc.core.tables import format_table
 
 METRICS = ["step_time_s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss"]
 
@@ -97,7 +99,6 @@ def run(args) -> dict:
     from megatron_adacc.adacc.policy.io import save_policy
     from megatron_adacc.adacc.policy.policy import Policy
     from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem
-    from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, solve
 
     quick = args.quick
     config_name = args.config or ("tiny" if quick else "cpu-large")
@@ -112,18 +113,21 @@ def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="adacc-budget-"))
 
     # 1. every fixed configuration once (their measurements do not depend on the budget)
+    step = Steps(None, "budget")
+    step("profile")
     targs, tconfig, profile, ref = _profile(base)
     L = targs.num_layers
     measured: dict[str, dict] = {}
     configs = megatron_configs(L, quick)
+    step.bar.total = 1 + len(configs) + 2 + n_budgets  # the profile, the fixed configurations, the budgets
     for name, flags in configs.items():
-        print(f"running {name} ...", flush=True)
+        step(name)
         measured[name] = _clean(train_method(base + flags))
     qpath = save_policy(Policy.quantize_all(L), workdir / "quantize_all.json")
-    print("running adacc_quantize_all ...", flush=True)
+    step("adacc_quantize_all")
     measured["adacc_quantize_all"] = _clean(train_method(base + ["--adacc-policy", str(qpath)]))
     kpath = save_policy(Policy.all_keep(L), workdir / "keep_all.json")
-    print("running adacc_keep_all ...", flush=True)
+    step("adacc_keep_all")
     measured["adacc_keep_all"] = _clean(train_method(base + ["--adacc-policy", str(kpath)]))
 
     # 2. budgets between the two measured extremes, and the model-to-measurement offset
@@ -140,21 +144,10 @@ def run(args) -> dict:
     entries = []
     for budget in budgets:
         model_budget = budget - offset
-        entry: dict = {"budget_bytes": budget, "model_budget_bytes": int(model_budget), "methods": {}, "milp": {}}
-        # MILP solve times of each formulation at this budget
-        problem = make_problem(profile, model_budget, options)
-        for label, kw in (("paper", dict(chain_aware=False, heterogeneous=False)),
-                          ("chain_aware", dict(chain_aware=True, heterogeneous=False)),
-                          ("heterogeneous+chain_aware", dict(chain_aware=True, heterogeneous=True))):
-            try:
-                res = solve(problem, **kw)
-                entry["milp"][label] = {"solve_time_s": res.solve_time_s, "predicted_time_s": res.predicted_time_s,
-                                        "predicted_time_chain_s": problem.total_time(res.layer_picks, chain_aware=True),
-                                        "predicted_memory_bytes": res.predicted_memory_bytes}
-            except InfeasibleBudgetError as e:
-                entry["milp"][label] = {"infeasible": True, "min_feasible_model_bytes": e.min_feasible_bytes}
+        entry: dict = {"budget_bytes": budget, "model_budget_bytes": int(model_budget), "methods": {},
+                       "milp": _milp(make_problem(profile, model_budget, options))}
         # adacc_auto: the user's own command (profile reused, process memory calibrated once, solve, train)
-        print(f"running adacc_auto at budget {budget / 2**20:.0f} MiB ...", flush=True)
+        step(f"adacc_auto at budget {budget / 2**20:.0f} MiB")
         auto_flags = base + ["--adacc-policy", "auto", "--adacc-memory-budget", str(budget),
                              "--adacc-memory-headroom", "0"]
         try:
@@ -180,7 +173,7 @@ def run(args) -> dict:
             group = {"adacc_auto": auto_flags, "megatron_best": base + configs[best]}
             if best != full_name:
                 group["megatron_full"] = base + configs[full_name]
-            print(f"re-timing {', '.join(group)} ({repeats} alternating runs each) ...", flush=True)
+            step.note(f"re-timing {', '.join(group)} ({repeats} alternating runs each)")
             _retime(entry["methods"], group, repeats)
             if best == full_name:
                 timed = entry["methods"]["megatron_best"]
@@ -191,12 +184,42 @@ def run(args) -> dict:
                             baseline="megatron_full", metrics=METRICS,
                             title=f"budget {budget / 2**20:.1f} MiB (model budget {model_budget / 2**20:.1f} MiB)")
 
+    step.close()
     config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base, "headroom": options.headroom,
               "repeats": repeats,
               "model_offset_bytes": int(offset), "profile": ref}
     harness.write_results("budget", config, measured, extra={"budgets": entries}, args=args)
     _plot(entries, harness.results_dir(args) / "budget.png", config_name)
     return {"budgets": entries, "methods": measured}
+
+
+def _milp(problem) -> dict:
+    """Each formulation solved at one budget by every installed MILP backend (HiGHS, CBC): the first backend's
+    solution, and each backend's solve time, printed as a small table."""
+    from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, solve
+    from megatron_adacc.adacc.policy.strategies.base import available_backends, milp_backend
+
+    backends, out = available_backends(), {}
+    for label, kw in (("paper", dict(chain_aware=False, heterogeneous=False)),
+                      ("chain_aware", dict(chain_aware=True, heterogeneous=False)),
+                      ("heterogeneous+chain_aware", dict(chain_aware=True, heterogeneous=True))):
+        try:
+            results = {}
+            for backend in backends:
+                with milp_backend(backend):
+                    results[backend] = solve(problem, **kw)
+        except InfeasibleBudgetError as e:
+            out[label] = {"infeasible": True, "min_feasible_model_bytes": e.min_feasible_bytes}
+            continue
+        res = results[backends[0]]
+        out[label] = {"solve_time_s": res.solve_time_s, "predicted_time_s": res.predicted_time_s,
+                      "predicted_time_chain_s": problem.total_time(res.layer_picks, chain_aware=True),
+                      "predicted_memory_bytes": res.predicted_memory_bytes,
+                      "solve_time_s_by_backend": {b: r.solve_time_s for b, r in results.items()}}
+    rows = [[label, *(f"{t[b] * 1e3:.1f}" if b in t else "-" for b in backends)]
+            for label, t in ((label, m.get("solve_time_s_by_backend", {})) for label, m in out.items())]
+    echo(format_table(["MILP solve time (ms)", *backends], rows, right=range(1, len(backends) + 1)))
+    return out
 
 
 def _retime(methods: dict, flags: dict[str, list[str]], repeats: int) -> None:
@@ -228,12 +251,8 @@ def _fits(result: dict, budget: int) -> dict:
 
 def _plot(entries: list[dict], path: Path, config_name: str) -> None:
     """Step time (filled: fits the budget, hollow: over it) and measured peak against each budget."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = harness.pyplot()
+    if plt is None:
         return
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs_all = [e["budget_bytes"] / 2**20 for e in entries]
@@ -260,7 +279,7 @@ def _plot(entries: list[dict], path: Path, config_name: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    print(f"wrote {path}")
+    harness.LOG.info("wrote %s", path)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import json
 import sys
 
 from megatron_adacc.bench import harness
+from megatron_adacc.core.log import Steps
 
 #: Bits re-allocated once, at the start: the benchmark times steady steps (``adacc train`` refuses GACT's flags
 #: when GACT is off, so L0 runs without it).
@@ -100,17 +101,18 @@ def run(args) -> dict:
     configs = [QUICK] if args.quick else [c for c in CONFIGS if not args.configs or c[0] in args.configs]
     names = args.methods or list(METHODS)
     all_methods: dict[str, dict] = {}
+    step = Steps(len(configs) * (1 if args.quick else len(names)), "gact")
     for cname, cflags, steps in configs:
         iters = args.train_iters or steps
         base = cflags + ["--train-iters", str(iters)]
         mb = _micro_batch(base)
         methods: dict[str, dict] = {}
         if args.quick:
-            print(f"[{cname}] running {', '.join(names)} in one process ...", flush=True)
+            step(f"{cname}: {', '.join(names)} in one process")
             methods = _quick_methods(base, names)
         for name in [] if args.quick else names:
             flags, attrs = METHODS[name]
-            print(f"[{cname}] running {name} ...", flush=True)
+            step(f"{cname}: {name}")
             methods[name] = _method(base + flags, attrs, separate_memory_run=True)
         budget = methods.get("gact_L0", {}).get("saved_activation_bytes")
         for res in methods.values():
@@ -125,6 +127,7 @@ def run(args) -> dict:
                   f"backward = {budget})")
         for name, res in methods.items():
             all_methods[f"{name}@{cname}" if len(configs) > 1 else name] = res
+    step.close()
     flat_config = {"configs": {c[0]: c[1] for c in configs}, "quick": args.quick,
                    "train_iters": args.train_iters, "largest_micro_batch_budget": "L0 saved_activation_bytes"}
     harness.write_results("gact", flat_config, all_methods, args=args)

@@ -15,6 +15,8 @@ much between seeds as between methods, while this error is deterministic. The CP
 from __future__ import annotations
 
 from megatron_adacc.bench import harness
+from megatron_adacc.core.log import Steps, echo
+from megatron_adacc.core.tables import format_table
 
 PLAIN = "int4_symmetric"
 
@@ -48,17 +50,19 @@ def run(args) -> dict:
         return Policy(layers=[row] * layers, name=f"{op}:{codec}")
 
     methods: dict[str, dict] = {}
-    for spec in OPS:
-        specific = error(only(spec.name, spec.default_codec))
-        plain = error(only(spec.name, PLAIN))
-        methods[spec.name] = {"codec": spec.default_codec, "grad_rel_error": specific,
-                              "plain_int4_grad_rel_error": plain}
-    methods["all_ops"] = {"codec": "layer-specific", "grad_rel_error": error(Policy.uniform("compress", layers)),
-                          "plain_int4_grad_rel_error": error(Policy.quantize_all(layers))}
+    with Steps(len(OPS) + 1, "gradients") as step:
+        for spec in step.iterate(OPS, label=lambda spec: spec.name):
+            specific = error(only(spec.name, spec.default_codec))
+            plain = error(only(spec.name, PLAIN))
+            methods[spec.name] = {"codec": spec.default_codec, "grad_rel_error": specific,
+                                  "plain_int4_grad_rel_error": plain}
+        step("all ops")
+        methods["all_ops"] = {"codec": "layer-specific", "grad_rel_error": error(Policy.uniform("compress", layers)),
+                              "plain_int4_grad_rel_error": error(Policy.quantize_all(layers))}
 
-    print(f"{'op':<18} {'codec':<17} {'grad error':>10} {'plain INT4':>10}")
-    for name, m in methods.items():
-        print(f"{name:<18} {m['codec']:<17} {m['grad_rel_error']:>10.4f} {m['plain_int4_grad_rel_error']:>10.4f}")
+    echo(format_table(["op", "codec", "grad error", "plain INT4"],
+                      [[name, m["codec"], f"{m['grad_rel_error']:.4f}", f"{m['plain_int4_grad_rel_error']:.4f}"]
+                       for name, m in methods.items()], right=(2, 3)))
     harness.write_results("gradients", {"model": "testing.build_tiny_gpt", "seed": args.seed,
                                         "layers": layers, "plain": PLAIN}, methods, args=args)
     return methods

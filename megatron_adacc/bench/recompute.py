@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron_adacc.bench import harness
 from megatron_adacc.bench.common import train_method
+from megatron_adacc.core.log import Steps
 
 METHODS = {
     "megatron_none": [],
@@ -28,11 +29,11 @@ def run(args) -> dict:
     if args.quick:
         base += ["--global-batch-size", "8", "--micro-batch-size", "8"]
     methods = {}
-    for name, flags in METHODS.items():
-        print(f"running {name} ...", flush=True)
-        result = train_method(base + flags)
-        result.pop("losses")
-        methods[name] = result
+    with Steps(len(METHODS), "recompute") as step:
+        for name, flags in step.iterate(METHODS.items(), label=lambda item: item[0]):
+            result = train_method(base + flags)
+            result.pop("losses")
+            methods[name] = result
     harness.print_table(methods, baseline="megatron_none",
                         metrics=["step_time_s", "tokens_per_s", "peak_memory_bytes", "saved_activation_bytes",
                                  "final_loss"],

@@ -21,6 +21,7 @@ import sys
 
 from megatron_adacc.bench import harness
 from megatron_adacc.core.errors import IntegrationError
+from megatron_adacc.core.log import Steps, echo
 
 SCHEMES = {
     "no_compression": "off",
@@ -78,8 +79,8 @@ def run(args) -> dict:
     order = []
     for r in range(rounds):
         order += names if r % 2 == 0 else names[::-1]
-    print(f"timing {len(names)} methods x {rounds} round(s), {iters} steps each, {args.nproc} ranks ...",
-          flush=True)
+    step = Steps(1 + (0 if args.quick else len(names)) + 1, "resireduce")
+    step(f"timing {len(names)} methods x {rounds} round(s), {iters} steps each, {args.nproc} ranks")
     timed = _launch([{"name": n, "flags": _flags(args, SCHEMES[n], iters)} for n in order], args.nproc)
 
     methods: dict[str, dict] = {}
@@ -106,14 +107,16 @@ def run(args) -> dict:
             methods[name]["note"] = "losses differ between rounds (non-deterministic run)"
     if not args.quick:
         for name in names:
-            print(f"peak memory of {name} ...", flush=True)
+            step(f"peak memory of {name}")
             mem = _launch([{"name": name, "flags": _flags(args, SCHEMES[name], min(iters, 10))}], args.nproc,
                           low_fragmentation=True)
             methods[name]["peak_memory_bytes"] = mem[name][0]["peak_memory_bytes"]
             methods[name]["peak_memory_source"] = "rank 0 peak RSS, MALLOC_MMAP_THRESHOLD_=65536 run"
 
+    step("compression pipeline without communication")
     overhead = _reduce_overhead(args, timed["_slots"], [n for n in names if SCHEMES[n] != "off"],
                                 reps=5 if args.quick else 30)
+    step.close()
     for name, seconds in overhead.items():
         methods[name]["reduce_overhead_s"] = seconds
     goals = _goals(methods)
@@ -124,10 +127,10 @@ def run(args) -> dict:
         title=f"ResiReduce, {args.nproc} ranks on CPU, {args.grad_compressor} density "
               f"{args.grad_compress_density}, {iters} steps, {rounds} round(s)")
     for name, g in goals.items():
-        print(f"{name}: model state {g['model_state_saving_pct']:+.1f}% smaller than ef_residual (goal >= 13%), "
-              f"loss {g['loss_change_pct']:+.2f}% (goal <= +1%), step time {g['step_time_change_pct']:+.1f}% "
-              f"(goal <= +2%; end to end, noisy on a shared CPU), compression pipeline "
-              f"{g['reduce_overhead_change_pct']:+.1f}%")
+        echo(f"{name}: model state {g['model_state_saving_pct']:+.1f}% smaller than ef_residual (goal >= 13%),\n"
+             f"  loss {g['loss_change_pct']:+.2f}% (goal <= +1%), step time {g['step_time_change_pct']:+.1f}% "
+             f"(goal <= +2%; end to end, noisy on a shared CPU),\n  compression pipeline "
+             f"{g['reduce_overhead_change_pct']:+.1f}%")
     harness.write_results(
         "resireduce",
         {"train_iters": iters, "rounds": rounds, "quick": args.quick, "nproc": args.nproc,

@@ -22,6 +22,8 @@ from collections.abc import Callable
 EXIT_REFUSED = 2
 #: Exit status after Ctrl-C, the shell's convention (128 + SIGINT).
 EXIT_INTERRUPTED = 130
+#: What a filter whose reader stopped reading exits with (128 + SIGPIPE), as `cat` or `grep` would.
+EXIT_BROKEN_PIPE = 141
 #: ``ADACC_DEBUG=1`` is ``--debug`` for every adacc command of a session or a job script.
 DEBUG_ENV = "ADACC_DEBUG"
 DEBUG_FLAG = "--debug"
@@ -85,6 +87,10 @@ def refusal_boundary(command: Callable[[list[str]], int], argv: list[str]) -> in
     except KeyboardInterrupt as exc:  # adacc train finished its step (and saved with --save) first
         print(f"adacc: {exc or 'interrupted'}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `adacc show p.json | head`: the reader has all it wanted; as for any Unix filter
+        # Python would report the failed flush of stdout at exit; point it at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def debug_asked(argv: list[str] | tuple[str, ...] = ()) -> bool:

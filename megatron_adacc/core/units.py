@@ -1,4 +1,4 @@
-"""Sizes as people write them (``12GiB``, ``800MB``) and as reports print them."""
+"""Sizes as people write them (``12GiB``, ``800MB``, ``30G``) and as reports print them."""
 
 from __future__ import annotations
 
@@ -7,14 +7,34 @@ import math
 import re
 from collections.abc import Callable
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: Decimal units (``MB``, ``GB``) are powers of 1000; binary ones (``MiB``, ``GiB``) and the bare letters powers of
+#: 1024: ``30G`` is what nvidia-smi, PyTorch and ``free -g`` users mean by it, and what our logs print (GiB).
+_DECIMAL = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, **_DECIMAL, **_BINARY}
+
+
+class Size(int):
+    """A number of bytes read from text, which remembers whether it was written in decimal units (``800MB``):
+    :func:`format_bytes` prints it back in them, so that a budget given as ``30GB`` is not logged as 27.94 GiB."""
+
+    decimal: bool = False
+
+    def __new__(cls, value: int, decimal: bool = False) -> Size:
+        size = super().__new__(cls, value)
+        size.decimal = decimal
+        return size
+
+    def __reduce__(self):  # pickled into the profiler's child with the arguments
+        return (Size, (int(self), self.decimal))
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"12GiB"`` -> 12884901888; ``"500MB"`` -> 500000000; plain integers are bytes.
+    """``"12GiB"`` -> 12884901888; ``"500MB"`` -> 500000000; ``"30G"`` -> 30 GiB; plain integers are bytes.
 
-    Raises ``argparse.ArgumentTypeError`` so it serves directly as a flag's ``type``."""
+    Returns a :class:`Size` for text. Raises ``argparse.ArgumentTypeError`` so it serves directly as a flag's
+    ``type``."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
@@ -23,7 +43,7 @@ def parse_bytes(text: str | int) -> int:
         raise argparse.ArgumentTypeError(
             f"cannot read {text!r} as a size: write a number of bytes or use a unit, e.g. 12GiB, 800MB, 512MiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return Size(int(float(match.group(1)) * _UNITS[unit]), decimal=unit in _DECIMAL)
 
 
 def parse_positive_bytes(text: str | int) -> int:
@@ -53,12 +73,16 @@ def checked(convert: Callable[[str], float], ok: Callable[[float], bool], expect
 positive_int = checked(int, lambda n: n >= 1, "a positive integer")
 
 
-def format_bytes(n: float | int | None, digits: int = 1) -> str:
-    """Binary units, ``digits`` decimals (whole bytes below 1 KiB); ``-`` for None."""
+def format_bytes(n: float | int | None, digits: int = 1, *, like: float | int | None = None) -> str:
+    """``digits`` decimals (whole bytes below 1 KiB); ``-`` for None. Binary units (KiB, MiB ...), or decimal ones
+    (kB, MB ...) for a :class:`Size` written in them; ``like`` prints ``n`` in the units of that other size (a
+    prediction beside the budget the user gave)."""
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    decimal = getattr(n if like is None else like, "decimal", False)
+    step, units = (1000, ("B", "kB", "MB", "GB", "TB")) if decimal else (1024, ("B", "KiB", "MiB", "GiB", "TiB"))
+    for unit in units:
+        if abs(n) < step or unit == units[-1]:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
-        n /= 1024
+        n /= step
     return str(n)

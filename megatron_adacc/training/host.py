@@ -33,8 +33,12 @@ class TrainHost(Host):
 
 
 def main(path: str) -> None:
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.core import log
     from megatron_adacc.training.loop import train
 
+    log.install()  # at the level the parent chose (ADACC_LOG_LEVEL)
+    quiet_fallback_warnings()
     args = load_payload(path)
     summary = train(args)
     print(json.dumps({"peak_memory_bytes": summary["peak_memory_bytes"], "extensions": summary["extensions"]},

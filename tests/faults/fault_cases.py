@@ -88,6 +88,14 @@ def policy(change: Callable[[dict], object], name: str = "p.json") -> Setup:
     return setup
 
 
+def _made_for_a_wider_model(obj: dict) -> None:
+    from megatron_adacc.adacc.policy.signature import plain_signature
+
+    obj["model_signature"] = plain_signature(hidden_size=96, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
+                                             micro_batch_size=2, dtype="float32", num_layers=2,
+                                             megatron_core_version="0.16.1")
+
+
 def decision(layer: int, index: int, **fields) -> Callable[[dict], object]:
     return lambda obj: obj["layers"][layer]["decisions"][index].update(fields)
 
@@ -208,10 +216,7 @@ def policy_cases() -> list[Case]:
         ("train-binary", write("p.json", BINARY), "p.json", False),
         ("train-missing", None, "--adacc-policy", False),
         ("train-other-layer-count", policy(lambda o: o["layers"].append(o["layers"][0])), "p.json", False),
-        ("train-other-model", policy(lambda o: o.update(model_signature={
-            "hidden_size": 96, "num_attention_heads": 4, "ffn_hidden_size": 256, "seq_length": 32,
-            "micro_batch_size": 2, "dtype": "float32", "num_layers": 2, "megatron_core_version": "0.16.1"})),
-         "hidden_size", False),
+        ("train-other-model", policy(lambda o: o["model_signature"].update(hidden_size=96)), "hidden_size", False),
     ]
     cases += [Case(f"policy/{name}", (*TRAIN, "--adacc-policy", P), names, setup, ci)
               for name, setup, names, ci in train]
@@ -245,16 +250,20 @@ def nonfinite_cases() -> list[Case]:
 
 
 def budget_cases() -> list[Case]:
-    """Memory budgets: ``adacc solve --budget`` and ``adacc train --adacc-memory-budget``."""
+    """Memory budgets: ``--adacc-memory-budget`` of ``adacc solve`` and ``adacc train`` (and solve's deprecated
+    spelling ``--budget``, refused under that name)."""
     values = [("0", True), ("0.5", True), ("-1", True), ("12XB", True), ("", False), ("1e400", False),
               ("-12GiB", False), ("GiB", False), ("12 GiB GiB", False)]
-    cases = [Case(f"budget/solve-{value or 'empty'}", (*SOLVE, "--budget", value), "--budget", None, ci)
-             for value, ci in values]
+    cases = [Case(f"budget/solve-{value or 'empty'}", (*SOLVE, "--adacc-memory-budget", value),
+                  "--adacc-memory-budget", None, ci) for value, ci in values]
+    cases += [Case(f"budget/solve-deprecated-{value}", (*SOLVE, "--budget", value), "--budget")
+              for value in ("0", "12XB")]
     cases += [Case(f"budget/train-{value or 'empty'}", (*TRAIN, "--adacc-policy", "auto", "--adacc-memory-budget",
                                                            value), "--adacc-memory-budget")
               for value in ("0", "12XB", "-1GiB")]
     cases += [
-        Case("budget/solve-infeasible", (*SOLVE, "--budget", "1KiB"), "smallest feasible budget", ci=True),
+        Case("budget/solve-infeasible", (*SOLVE, "--adacc-memory-budget", "1KiB"), "smallest feasible budget",
+             ci=True),
         Case("budget/headroom-negative", (*TRAIN, "--adacc-policy", "auto", "--adacc-memory-headroom", "-0.1"),
              "--adacc-memory-headroom"),
         Case("budget/headroom-one", (*TRAIN, "--adacc-policy", "auto", "--adacc-memory-headroom", "1"),

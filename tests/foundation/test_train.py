@@ -91,3 +91,29 @@ def test_impossible_shapes_are_refused_before_anything_is_built(flags, message):
 
     with pytest.raises(IntegrationError, match=message):
         parse_train_args(SMALL + flags)
+
+
+def test_the_summary_of_an_auto_run_reads_as_lines_not_dicts(capsys):
+    """The extensions' reports (Adacc's decisions and per-layer figures, evolution's series) used to print as
+    Python reprs: ``adacc.decisions: {'keep': 52}``, a 200-character list of per-layer dicts."""
+    from megatron_adacc.training.loop import _print_summary
+
+    layers = [{"layer": i, "measured_bytes": 15745024, "predicted_bytes": None, "rel_error": None} for i in range(4)]
+    summary = {"iterations": 3, "device": "cpu", "world_size": 1, "num_microbatches": 2, "first_loss": 5.5,
+               "final_loss": 4.9, "step_time_s": 0.66, "tokens_per_s": 3115.0, "peak_memory_kind": "peak_rss",
+               "peak_memory_bytes": 542_900_000, "saved_activation_bytes": 65_640_000, "nonfinite_activations": 0,
+               "extensions": {
+                   "adacc": {"policy": "adacc", "decisions": {"keep": 40, "compress:int4_outlier": 12},
+                             "layer_bytes_measured": 63_000_000, "layers": layers, "over_budget": False,
+                             "max_rel_error": 0.0123},
+                   "adacc_evolution": {"tracking_iterations": [1, 2], "switches": [],
+                                       "outlier_channels": {"iterations": [1, 2], "ops": {"fc1": [3, 2]}}}}}
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "{" not in out and "[" not in out, out
+    lines = out.splitlines()
+    assert "    decisions             keep 40, compress:int4_outlier 12" in lines
+    assert "    layers                4 entries, in --output-json" in lines
+    assert "    over budget           no" in lines and "    max rel error         0.0123" in lines
+    assert "    switches              none" in lines[lines.index("  adacc_evolution"):]
+    assert max(len(line) for line in lines) <= 100

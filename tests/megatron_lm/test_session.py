@@ -82,8 +82,8 @@ def test_none_imports_nothing_beyond_argument_parsing():
         "megatron_adacc", "megatron_adacc.arguments", "megatron_adacc.features",
         "megatron_adacc.core", "megatron_adacc.core.errors", "megatron_adacc.core.extension",
         "megatron_adacc.core.features", "megatron_adacc.core.lazy", "megatron_adacc.core.patching",
-        "megatron_adacc.core.units",
-        "megatron_adacc.comm.options", "megatron_adacc.gact.levels",  # the names the flags offer
+        "megatron_adacc.core.units", "megatron_adacc.core.log",  # logging's names only (--logging-level's type)
+        "megatron_adacc.comm.options", "megatron_adacc.gact.levels", "megatron_adacc.models",  # the flags' names
         "megatron_adacc.megatron_lm", "megatron_adacc.megatron_lm.arguments", "megatron_adacc.megatron_lm.features",
         "megatron_adacc.megatron_lm.session"}
 
@@ -291,3 +291,18 @@ def test_the_probe_runs_pretrain_gpts_loss_checks_outside_rerun_bookkeeping(fake
     finally:
         machine.set_mode(before)
     assert seen == [(1.0, RerunMode.VALIDATE_RESULTS)]
+
+
+@pytest.mark.parametrize("level, env, shown", [(None, None, True), (30, None, False), (None, "40", False),
+                                               (20, "40", True)])
+def test_our_lines_follow_megatron_lms_logging_level(fake_training, recording, capsys, monkeypatch, level, env,
+                                                     shown):
+    """``--logging-level`` (else ``$MEGATRON_LOGGING_LEVEL``, Megatron-LM's own precedence) sets what
+    megatron-adacc prints in ``pretrain_gpt.py``; its lines go to stderr, through the package logger."""
+    if env is not None:
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", env)
+    args = megatron_args("--gact-level", "L1", logging_level=level)
+    megatron_lm.configure(args, training=fake_training)
+    fake_training.setup_model_and_optimizer("encoder_or_decoder")
+    err = capsys.readouterr().err
+    assert ("[adacc] enabled gact; extensions: recording" in err) is shown, err

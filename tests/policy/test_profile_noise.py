@@ -61,7 +61,7 @@ _ANALYTIC = analytic_profile(dict(hidden_size=64, num_attention_heads=4, ffn_hid
 
 
 @pytest.mark.parametrize("unstable, flagged", [(0, False), (1, False), (3, True)])
-def test_a_profile_with_many_unstable_timings_is_flagged_and_says_so(monkeypatch, unstable, flagged):
+def test_a_profile_with_many_unstable_timings_is_flagged_and_says_so(monkeypatch, caplog, unstable, flagged):
     def measured(*args, **kwargs):
         for i in range(10):  # ten measurements, the first `unstable` of them never agreeing
             monkeypatch.setattr(profiler.time, "perf_counter", _clock([1.0, 3.0] * 50 if i < unstable else [1.0])[0])
@@ -70,8 +70,9 @@ def test_a_profile_with_many_unstable_timings_is_flagged_and_says_so(monkeypatch
 
     monkeypatch.setattr(profiler, "_profile_layer", measured)
     monkeypatch.setattr(profiler, "load_per_core", lambda: 0.5)  # a quiet machine, whatever this one's load
-    logs: list[str] = []
-    profile = profiler.profile_layer(None, None, None, log=logs.append)
+    with caplog.at_level("WARNING", logger="megatron_adacc"):
+        profile = profiler.profile_layer(None, None, None)
+    logs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert profile.meta["timing"]["measurements"] == 10 and profile.meta["timing"]["unstable"] == unstable
     assert ("contended" in profile.meta) is flagged
     assert any("measured under contention" in m and "adacc profile --refresh" in m for m in logs) is flagged

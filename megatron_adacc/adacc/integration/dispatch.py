@@ -37,6 +37,7 @@ from typing import Any
 
 from megatron_adacc.adacc.integration.checks import UnsupportedConfigError, check_config, check_layer
 from megatron_adacc.adacc.runtime import accounting
+from megatron_adacc.adacc.runtime.capacity import CAPACITIES
 from megatron_adacc.core.patching import is_patched, patch, target, unpatch
 
 __all__ = ["install", "uninstall", "is_installed", "installed_policy", "build_extension", "UnsupportedConfigError",
@@ -247,6 +248,7 @@ def uninstall() -> None:
                 delattr(config, attr)
     _STATE["configs"] = []
     accounting.set_policy(None)
+    CAPACITIES.clear()
     _STATE["predict_memory"] = True
     _STATE["profiled"] = set()
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
 from megatron_adacc.adacc.runtime.stages import BackwardTrace
 from megatron_adacc.core.devices import peak_memory_bytes
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
+from megatron_adacc.core.log import get_logger
 from megatron_adacc.core.units import format_bytes
 
 
@@ -40,10 +40,25 @@ class AdaccExtension(TrainingExtension):
         self._first_micro = True
 
     def setup(self, ctx: TrainingContext) -> None:
+        from megatron_adacc.adacc.runtime.capacity import CAPACITIES
+
         self._params = [p for m in ctx.model for p in m.parameters()]
+        CAPACITIES.clear()  # a run starts from its checkpoint's capacities, or measures them afresh
 
     def on_step_begin(self, iteration: int) -> None:
         self._first_micro = True
+
+    def state_dict(self) -> dict:
+        """The outlier codec's learned capacities, so a resumed run compresses as a straight one would."""
+        from megatron_adacc.adacc.runtime.capacity import CAPACITIES
+
+        return {"outlier_capacities": CAPACITIES.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from megatron_adacc.adacc.runtime.capacity import CAPACITIES
+
+        if "outlier_capacities" in state:
+            CAPACITIES.load_state_dict(state["outlier_capacities"])
 
     def microbatch_context(self) -> AbstractContextManager:
         from megatron_adacc.core.saved import SavedTensorMeter
@@ -82,7 +97,6 @@ class AdaccExtension(TrainingExtension):
             "layers": [{"layer": r["layer"], "measured_bytes": r["measured_bytes"],
                         "predicted_bytes": r.get("predicted_bytes"), "rel_error": r.get("rel_error")}
                        for r in rep["layers"]],
-            "nonfinite_fallbacks": sum(r["measured"].nonfinite_fallbacks for r in rep["layers"]),
             "saved_activation_bytes": self._outer_bytes + rep["measured_bytes"] + rep["shared_bytes"],
         }
         errors = [r["rel_error"] for r in rep["layers"] if r.get("rel_error") is not None]
@@ -112,8 +126,8 @@ class AdaccExtension(TrainingExtension):
                 fix = ("On the CPU the budget counts live memory as peak RSS shows it with "
                        "MALLOC_MMAP_THRESHOLD_=65536; glibc's default allocator also keeps freed buffers "
                        "(docs/measuring.md). Set it, or " + fix[0].lower() + fix[1:])
-            print(f"\n[adacc] WARNING: this run peaked at {format_bytes(peak)}, OVER its memory budget of "
-                  f"{format_bytes(self.budget_bytes)}{guess}. {fix}\n", file=sys.stderr, flush=True)
+            get_logger().warning(f"this run peaked at {format_bytes(peak, like=self.budget_bytes)}, OVER its memory "
+                                 f"budget of {format_bytes(self.budget_bytes)}{guess}. {fix}")
         return {"budget_bytes": self.budget_bytes, "peak_bytes": peak, "predicted_peak_bytes": predicted_peak,
                 "over_budget": over}
 

@@ -55,12 +55,17 @@ def profile_in_child(data: bytes, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def main(path: str) -> None:
+    from megatron_adacc.compat import quiet_fallback_warnings
+    from megatron_adacc.core import log
+
+    log.install()  # at the level the parent chose (ADACC_LOG_LEVEL): its -q is this process's too
+    quiet_fallback_warnings()
     data = process.load_payload(path)
     args, config = data["args"], data["config"]
     device = resolve_device(getattr(args, "device", "auto"))
     process.initialize(device, int(getattr(args, "seed", 0) or 0))
-    log = lambda message: print(f"[adacc] {message}", file=sys.stderr, flush=True)  # noqa: E731
-    _, ref = profile_and_store(args, config, device, ProfileDB(getattr(args, "adacc_profile_db", None)), log)
+    db = ProfileDB(getattr(args, "adacc_profile_db", None))
+    _, ref = profile_and_store(args, config, device, db, log.get_logger().info)
     print(json.dumps(ref), flush=True)
     process.shutdown()
 

@@ -27,6 +27,7 @@ from megatron_adacc.adacc.policy.policy import DEFAULT_CODEC_PARAMS
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile, OpProfile
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.core.devices import resolve_device
+from megatron_adacc.core.log import get_logger, progress
 
 Sync = Callable[[], None]
 CodecKeys = dict[str, set]  # op name -> {codec_key(name, params), ...}
@@ -221,15 +222,31 @@ def measure_sizes(sample: LayerSample, keys: CodecKeys, log: Callable[[str], Non
     return sizes, {op: set(sizes.ops[op].compressed_bytes) for op in keys}
 
 
-def time_ops(ops: list, env: dict, repeats: int, sync: Sync) -> list[float]:
-    """Forward time of each op from the stored inputs in ``env`` (one full forward's environment)."""
-    return [_timed(lambda op=op: op.run(dict(env)), repeats, sync) for op in ops]
+def _no_tick() -> None:
+    pass
 
 
-def time_segments(ops: list, env: dict, repeats: int, sync: Sync, max_segment_ops: int | None
-                  ) -> dict[tuple[int, int], float]:
+def time_ops(ops: list, env: dict, repeats: int, sync: Sync, tick: Callable[[], Any] = _no_tick) -> list[float]:
+    """Forward time of each op from the stored inputs in ``env`` (one full forward's environment); ``tick()``
+    after each (a progress bar)."""
+    times = []
+    for op in ops:
+        times.append(_timed(lambda op=op: op.run(dict(env)), repeats, sync))
+        tick()
+    return times
+
+
+def segment_count(n: int, max_segment_ops: int | None) -> int:
+    """How many segments :func:`time_segments` times for ``n`` ops."""
+    longest = n if max_segment_ops is None else max_segment_ops
+    return sum(min(n, a + longest) - a for a in range(1, n))
+
+
+def time_segments(ops: list, env: dict, repeats: int, sync: Sync, max_segment_ops: int | None,
+                  tick: Callable[[], Any] = _no_tick) -> dict[tuple[int, int], float]:
     """Recompute time of every segment ``a..b`` (``1 <= a <= b``, at most ``max_segment_ops`` ops long) from
-    the stored inputs in ``env``. Op 0 is never recomputed: the layer's input is always kept."""
+    the stored inputs in ``env``; ``tick()`` after each. Op 0 is never recomputed: the layer's input is always
+    kept."""
     from megatron_adacc.adacc.runtime import run_ops
 
     n = len(ops)
@@ -238,6 +255,7 @@ def time_segments(ops: list, env: dict, repeats: int, sync: Sync, max_segment_op
     for a in range(1, n):
         for b in range(a, min(n, a + longest)):
             segments[(a, b)] = _timed(lambda a=a, b=b: run_ops(ops[a:b + 1], dict(env)), max(1, repeats - 1), sync)
+            tick()
     return segments
 
 
@@ -407,8 +425,8 @@ def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.
     contended = noise.contended()
     if contended:
         profile.meta["contended"] = contended
-        log(f"profile: WARNING: measured under contention ({contended}); it is stored and flagged: rerun "
-            "`adacc profile --refresh` with the same flags on a quiet machine")
+        get_logger().warning(f"profile: measured under contention ({contended}); it is stored and flagged: rerun "
+                             "`adacc profile --refresh` with the same flags on a quiet machine")
     return profile
 
 
@@ -425,29 +443,36 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
     log("profile: per-op saved and compressed bytes")
     sizes, keys = measure_sizes(sample, codec_keys(args), log)
     ops = layer_ops(sample.layer)
-    with _fork_rng(), torch.enable_grad():
-        env = initial_env(sample.hidden.detach().requires_grad_(True), sample.mask, sample.rope)
-        for op in ops:
-            env.update(op.run(env))
-        log("profile: per-op forward times")
-        fwd = time_ops(ops, env, repeats, sync)
-        log("profile: recompute segment times")
-        segments = time_segments(ops, env, repeats, sync, max_segment_ops)
-    log("profile: codec times")
-    op_profiles = [op_profile(op, t, env, keys[spec.name], sizes.ops[spec.name], repeats, sync, log)
-                   for spec, op, t in zip(OPS, ops, fwd)]
-    log("profile: calibrating codec and recompute times inside the runtime")
-    calibration = calibrate(sample, op_profiles, segments, fwd, repeats, sync)
-    codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
-    log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
-        f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
-    # last: measuring memory on the CPU sets the allocator to return what is freed, which slows allocation
-    log("profile: memory of each op's backward")
-    with _fork_rng():
-        for op, profiled in zip(ops, op_profiles):
-            measured = backward_transient(op, env, device, repeats)
-            if measured is not None:
-                profiled.grad_bytes = measured
+    # One bar over every timed measurement: op forwards, segments, codecs, the calibration, op backwards.
+    with progress(total=3 * len(ops) + segment_count(len(ops), max_segment_ops) + 1, desc="profile",
+                  unit="step") as bar:
+        with _fork_rng(), torch.enable_grad():
+            env = initial_env(sample.hidden.detach().requires_grad_(True), sample.mask, sample.rope)
+            for op in ops:
+                env.update(op.run(env))
+            log("profile: per-op forward times")
+            fwd = time_ops(ops, env, repeats, sync, bar.update)
+            log("profile: recompute segment times")
+            segments = time_segments(ops, env, repeats, sync, max_segment_ops, bar.update)
+        log("profile: codec times")
+        op_profiles = []
+        for spec, op, t in zip(OPS, ops, fwd):
+            op_profiles.append(op_profile(op, t, env, keys[spec.name], sizes.ops[spec.name], repeats, sync, log))
+            bar.update()
+        log("profile: calibrating codec and recompute times inside the runtime")
+        calibration = calibrate(sample, op_profiles, segments, fwd, repeats, sync)
+        bar.update()
+        codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
+        log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
+            f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
+        # last: measuring memory on the CPU sets the allocator to return what is freed, which slows allocation
+        log("profile: memory of each op's backward")
+        with _fork_rng():
+            for op, profiled in zip(ops, op_profiles):
+                measured = backward_transient(op, env, device, repeats)
+                if measured is not None:
+                    profiled.grad_bytes = measured
+                bar.update()
     measured = _Measured(sizes, op_profiles, fwd, segments, calibration)
     return _layer_profile(sample, args, signature, device, measured, repeats)
 

@@ -104,6 +104,10 @@ class Policy:
     profile: dict[str, Any] | None = None
     """Reference to the profile the policy was solved from (database path, profile id, device)."""
     name: str | None = None
+    op_costs: dict[str, dict[str, Any]] | None = None
+    """Per op, what its choices cost under the profile the policy was solved from: ``saved_bytes`` (kept),
+    ``recompute_time_s``, and ``codecs: {name: {"compressed_bytes", "time_s"}}`` for the codecs the policy uses.
+    Kept in the file, so that ``adacc show`` prints sizes on a machine without that profile."""
 
     def __post_init__(self) -> None:
         for index, layer in enumerate(self.layers):
@@ -134,6 +138,20 @@ class Policy:
     def summary(self) -> str:
         """``18 keep, 4 compress, 4 recompute`` (actions that occur)."""
         return ", ".join(f"{n} {action.value}" for action, n in self.counts().items() if n)
+
+    def decision_cost(self, op: str, decision: Decision) -> tuple[int, int, float] | None:
+        """``(saved bytes if kept, stored bytes, time)`` of ``decision`` on ``op`` from :attr:`op_costs` (time: the
+        recompute, or the compress and decompress, per micro-batch and layer); None when the file does not say."""
+        cost = (self.op_costs or {}).get(op)
+        if cost is None:
+            return None
+        saved = int(cost["saved_bytes"])
+        if decision.action == Action.KEEP:
+            return saved, saved, 0.0
+        if decision.action == Action.RECOMPUTE:
+            return saved, 0, float(cost["recompute_time_s"])
+        codec = cost.get("codecs", {}).get(decision.codec)
+        return None if codec is None else (saved, int(codec["compressed_bytes"]), float(codec["time_s"]))
 
     def decision(self, layer: int, op: str) -> Decision:
         return self.layers[layer][OP_NAMES.index(op)]

@@ -96,7 +96,24 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
          "time_s": problem.layer_time(p, chain_aware=options.chain_aware),
          "stage_bytes": [int(round(b)) for b in problem.stage_bytes(p, stash=options.chain_aware)]}
         for p in result.layer_picks]
+    policy.op_costs = op_costs(profile, policy)
     return policy, result
+
+
+def op_costs(profile: LayerProfile, policy: Policy) -> dict[str, dict[str, Any]]:
+    """:attr:`Policy.op_costs` for ``policy`` from ``profile``: each op's bytes if kept, its recompute time, and,
+    for each codec the policy uses on it, its compressed bytes and compress + decompress time (the profile's
+    micro-benchmarks, as ``adacc profile`` prints them)."""
+    used: dict[str, set[str]] = {}
+    for layer in policy.layers:
+        for op, d in zip(profile.ops, layer):
+            if d.action == Action.COMPRESS:
+                used.setdefault(op.name, set()).add(d.codec)
+    return {op.name: {"saved_bytes": int(op.saved_bytes), "recompute_time_s": float(op.forward_time_s),
+                      "codecs": {c: {"compressed_bytes": int(op.codecs[c].compressed_bytes),
+                                     "time_s": float(op.codecs[c].compress_time_s + op.codecs[c].decompress_time_s)}
+                                 for c in sorted(used.get(op.name, ())) if c in op.codecs}}
+            for op in profile.ops}
 
 
 def evaluate_policy(profile: LayerProfile, policy: Policy, *, chain_aware: bool = True) -> dict[str, float]:
