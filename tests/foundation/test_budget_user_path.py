@@ -93,7 +93,7 @@ def test_a_stored_calibration_is_reused(tmp_path):
 
 
 @pytest.mark.parametrize("peak, over", [(100, False), (10**12, True)])
-def test_the_run_says_loudly_when_it_went_over_its_budget(capsys, peak, over, monkeypatch):
+def test_the_run_says_loudly_when_it_went_over_its_budget(capsys, peak, over, monkeypatch, adacc_log):
     import torch
 
     from megatron_adacc.adacc.integration import extension

@@ -12,13 +12,14 @@ from megatron_adacc.adacc.integration.evolution import PolicyEvolution
 from megatron_adacc.adacc.integration.outlier_probe import OUTLIER_OPS, OutlierProbe
 from megatron_adacc.adacc.policy import Policy
 from megatron_adacc.adacc.policy.profile import analytic_profile
+from megatron_adacc.adacc.policy.signature import plain_signature
 from megatron_adacc.codecs.reference import channel_abs_sum, select_outlier_channels
 from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.testing import build_tiny_gpt, tiny_batch
 
 Z = 3.0
-SIG = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
-           dtype="float32", num_layers=2, megatron_core_version="0.16.1")
+SIG = plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
+                      dtype="float32", num_layers=2, megatron_core_version="0.16.1")
 #: A policy whose outlier ops are kept, compressed and recomputed (the runtime's op path), and keep-all (the
 #: layers then run megatron's own forward): the probe must see every op either way.
 POLICIES = {

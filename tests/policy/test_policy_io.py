@@ -11,10 +11,10 @@ from megatron_adacc.adacc.policy import Decision, Policy, load_policy, save_poli
 from megatron_adacc.adacc.policy.io import SCHEMA_PATH, PolicySchemaError, policy_from_json, policy_to_json
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 from megatron_adacc.adacc.policy.schema import render
-from megatron_adacc.adacc.policy.signature import SignatureMismatchError, model_signature
+from megatron_adacc.adacc.policy.signature import SignatureMismatchError, model_signature, plain_signature
 
-SIG = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
-           dtype="float32", num_layers=3, megatron_core_version="0.16.1")
+SIG = plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
+                      dtype="float32", num_layers=3, megatron_core_version="0.16.1")
 
 
 def solved_like_policy() -> Policy:
@@ -191,3 +191,51 @@ def test_codec_params_are_validated_at_load(params, problem):
     obj["layers"][0]["decisions"][at]["codec_params"] = params
     with pytest.raises(PolicySchemaError, match=problem):
         policy_from_json(obj)
+
+
+def test_every_signature_field_changes_the_key() -> None:
+    from megatron_adacc.adacc.policy.signature import SIGNATURE_TYPES, signature_key
+
+    base = dict(SIG)
+    other = {int: lambda v: (v or 1) + 1, str: lambda v: v + "x", bool: lambda v: not v}
+    keys = {signature_key(base)}
+    for field, kind in SIGNATURE_TYPES.items():
+        changed = dict(base, **{field: other[kind](base[field])})
+        keys.add(signature_key(changed))
+        assert signature_key(changed) != signature_key(base), field
+    assert len(keys) == len(SIGNATURE_TYPES) + 1
+
+
+def test_model_signature_reads_the_layer_structure_and_the_parallel_layout() -> None:
+    import torch
+
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                             num_layers=3, gated_linear_unit=True, normalization="RMSNorm", params_dtype=torch.float32,
+                             tensor_model_parallel_size=2, pipeline_model_parallel_size=3, sequence_parallel=True)
+    args = SimpleNamespace(seq_length=32, micro_batch_size=2, position_embedding_type="rope",
+                           attention_backend="flash", padded_vocab_size=50304,
+                           untie_embeddings_and_output_weights=True)
+    sig = model_signature(config, args)
+    assert {k: sig[k] for k in ("num_query_groups", "gated_linear_unit", "normalization", "position_embedding_type",
+                                "attention", "vocab_size", "untie_embeddings_and_output_weights",
+                                "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")} == {
+        "num_query_groups": 2, "gated_linear_unit": True, "normalization": "RMSNorm",
+        "position_embedding_type": "rope", "attention": "sdpa", "vocab_size": 50304,
+        "untie_embeddings_and_output_weights": True, "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 3, "sequence_parallel": True}
+    # Megatron-LM selects the SDPA layer by --spec, whatever --attention-backend says
+    spec = SimpleNamespace(**{**vars(args), "attention_backend": "auto",
+                              "spec": ["megatron_adacc.models.attention", "SDPA_LAYER_SPEC"]})
+    assert model_signature(config, spec)["attention"] == "sdpa"
+
+
+def test_a_version_1_policy_file_is_refused_with_the_fix(tmp_path) -> None:
+    obj = policy_to_json(solved_like_policy())
+    obj["schema_version"] = 1
+    obj["model_signature"] = {k: obj["model_signature"][k] for k in ("hidden_size", "num_attention_heads",
+                                                                     "ffn_hidden_size", "seq_length", "dtype",
+                                                                     "micro_batch_size", "num_layers",
+                                                                     "megatron_core_version")}
+    (tmp_path / "old.json").write_text(json.dumps(obj))
+    with pytest.raises(PolicySchemaError, match="schema_version.*re-solve"):
+        load_policy(tmp_path / "old.json")

@@ -6,9 +6,10 @@ import pytest
 
 from megatron_adacc.adacc.policy.profile import LayerProfile, analytic_profile
 from megatron_adacc.adacc.policy.profile_db import ENV_VAR, ProfileDB, default_db_path
+from megatron_adacc.adacc.policy.signature import plain_signature
 
-SIG = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
-           dtype="float32", num_layers=3, megatron_core_version="0.16.1")
+SIG = plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
+                      dtype="float32", num_layers=3, megatron_core_version="0.16.1")
 
 
 def test_round_trip_and_keying(tmp_path) -> None:

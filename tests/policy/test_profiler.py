@@ -3,6 +3,8 @@ commands; the solved policy's predicted bytes are compared with what the runtime
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -145,12 +147,22 @@ def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
 
     args, _, _ = env
     out = tmp_path / "pol.json"
-    argv = ["solve", *ARGV, "--budget", "50MiB", "--adacc-profile-db", args.adacc_profile_db, "-o", str(out)]
+    argv = ["solve", *ARGV, "--adacc-memory-budget", "50MiB", "--adacc-profile-db", args.adacc_profile_db, "-o",
+            str(out)]
     assert main(argv) == 0
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
     assert "linear_qkv" in text and "quantize-all" in text and "paper MILP" in text
-    assert main(["solve", *ARGV, "--budget", "1KiB", "--adacc-profile-db", args.adacc_profile_db,
+    # moved to a machine without the profile database: the sizes come from the file itself
+    moved = json.loads(out.read_text())
+    moved["profile"]["db"] = str(tmp_path / "elsewhere" / "p.sqlite")
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    assert main(["show", str(tmp_path / "moved.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    qkv = next(line for line in lines if line.startswith("linear_qkv"))
+    assert qkv.count("iB") == 2 and any(line.startswith("per layer") for line in lines), lines
+    assert "paper MILP" not in "\n".join(lines)  # the presets' predictions do need the profile
+    assert main(["solve", *ARGV, "--adacc-memory-budget", "1KiB", "--adacc-profile-db", args.adacc_profile_db,
                  "-o", str(tmp_path / "x.json")]) == 2
     assert "smallest feasible budget" in capsys.readouterr().err
 
@@ -159,12 +171,10 @@ def test_solve_flag_names_the_candidate_codecs() -> None:
     """``adacc solve --candidate-codecs all`` (once ``--adacc-codecs``, which read as the plural of the training
     flag ``--adacc-codec``, a codec family) reaches the solver's options."""
     from megatron_adacc.adacc.policy.solver import SolveOptions
-    from megatron_adacc.policy_cli import _add_solve_flags, _model_parser, _parse
+    from megatron_adacc.policy_cli import _parse, _parser
 
-    parser = _model_parser("adacc solve", "")
-    _add_solve_flags(parser)
-    assert SolveOptions.from_args(_parse(parser, ["--candidate-codecs", "all"])).codecs == "all"
-    assert SolveOptions.from_args(_parse(parser, [])).codecs == "default"
+    assert SolveOptions.from_args(_parse(_parser("solve"), ["--candidate-codecs", "all"])).codecs == "all"
+    assert SolveOptions.from_args(_parse(_parser("solve"), [])).codecs == "default"
 
 
 def test_the_outlier_probe_feeds_evolution_in_the_profiles_units(env) -> None:
@@ -207,7 +217,7 @@ def test_the_outlier_probe_feeds_evolution_in_the_profiles_units(env) -> None:
     assert updated.codec_time_scale == profile.codec_time_scale
 
 
-def test_a_profile_measured_under_contention_is_named_at_every_reuse(env, monkeypatch, tmp_path) -> None:
+def test_a_profile_measured_under_contention_is_named_at_every_reuse(env, monkeypatch, tmp_path, caplog) -> None:
     """Its timings are what every later solve rests on: each run that reuses it says so, with the fix."""
     import dataclasses
 
@@ -218,9 +228,11 @@ def test_a_profile_measured_under_contention_is_named_at_every_reuse(env, monkey
     monkeypatch.setattr("megatron_adacc.adacc.integration.profiler.profile_layer", lambda *a, **k: flagged)
     monkeypatch.setattr(args, "adacc_profile_db", str(tmp_path / "p.sqlite"))
     for _ in range(2):
-        logs: list[str] = []
-        auto.get_or_make_profile(args, config, log=logs.append)
-    assert any("was measured under contention (5 of 9" in m and "--refresh" in m for m in logs)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megatron_adacc"):
+            auto.get_or_make_profile(args, config, log=lambda message: None)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # at the reuse
+    assert any("was measured under contention (5 of 9" in m and "--refresh" in m for m in warned)
 
 
 def test_the_default_cuda_budget_leaves_room_for_what_allocated_bytes_do_not_count(monkeypatch):
@@ -235,3 +247,27 @@ def test_the_default_cuda_budget_leaves_room_for_what_allocated_bytes_do_not_cou
     budget = profiler.device_memory_bytes("cuda")
     assert budget == int(profiler.CUDA_DEFAULT_FRACTION * (32 - 1.5) * gib)
     assert budget < 28 * gib
+
+
+@pytest.mark.parametrize("flags", [["--swiglu"], ["--normalization", "RMSNorm"], ["--position-embedding-type", "rope"],
+                                   ["--group-query-attention", "--num-query-groups", "2"],
+                                   ["--attention-backend", "flash", "--attention-dropout", "0"]])
+def test_a_profile_is_not_reused_for_a_model_with_another_layer(env, monkeypatch, flags) -> None:
+    """Same widths, other ops or other saved tensors: `adacc train`'s flags for them profile anew."""
+    from megatron_adacc.adacc.integration import auto
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+
+    args, config, profile = env
+    calls = []
+    monkeypatch.setattr("megatron_adacc.adacc.integration.profiler.profile_layer",
+                        lambda *a, **k: calls.append(1) or profile)
+    auto.get_or_make_profile(args, config, log=lambda m: None)
+    assert calls == [1] or calls == []  # the module's model: stored by an earlier test or now
+    calls.clear()
+    auto.get_or_make_profile(args, config, log=lambda m: None)
+    assert calls == []  # the same model reuses
+    other = parse_train_args(ARGV + flags)
+    other.adacc_profile_db = args.adacc_profile_db
+    auto.get_or_make_profile(other, model_lib.transformer_config(other, torch.device("cpu")), log=lambda m: None)
+    assert calls == [1]

@@ -15,13 +15,13 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME, Action
 from megatron_adacc.adacc.policy.policy import Decision, Policy
-from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS, check_signature
+from megatron_adacc.adacc.policy.signature import NULLABLE_FIELDS, SIGNATURE_FIELDS, SIGNATURE_TYPES, check_signature
 from megatron_adacc.codecs import get_codec
 from megatron_adacc.core.errors import AdaccError, InputNotFound
 from megatron_adacc.core.files import atomic_write
 
 FORMAT = "megatron-adacc-policy"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA_PATH = Path(__file__).with_name("policy.schema.json")
 
 
@@ -51,6 +51,7 @@ def policy_to_json(policy: Policy) -> dict[str, Any]:
         "predicted": dict(policy.predicted),
         "solver": dict(policy.solver),
         "profile": dict(policy.profile) if policy.profile is not None else None,
+        **({"op_costs": policy.op_costs} if policy.op_costs is not None else {}),
     }
 
 
@@ -145,11 +146,10 @@ def _policy_from_json(obj: Any) -> Policy:
     name = _require(obj, "name", "", str, nullable=True) if "name" in obj else None
     sig = _require(obj, "model_signature", "", dict, nullable=True)
     if sig is not None:
-        for f in SIGNATURE_FIELDS:
-            if f not in sig:
-                raise PolicySchemaError(f"model_signature.{f}", "is missing")
-            want = str if f in ("dtype", "megatron_core_version") else int
-            _require(sig, f, "model_signature.", want)
+        for f, kind in SIGNATURE_TYPES.items():
+            value = _require(sig, f, "model_signature.", kind, nullable=f in NULLABLE_FIELDS)
+            if kind is int and value is not None and value < 1:
+                raise PolicySchemaError(f"model_signature.{f}", f"must be a positive integer, got {value}")
         unknown = sorted(set(sig) - set(SIGNATURE_FIELDS))
         if unknown:
             raise PolicySchemaError(f"model_signature.{unknown[0]}", "is not a signature field "
@@ -186,8 +186,40 @@ def _policy_from_json(obj: Any) -> Policy:
             raise PolicySchemaError(f"predicted.{k}", f"must be a finite number or null, got {v!r}")
     solver = _require(obj, "solver", "", dict) if "solver" in obj else {}
     profile = _require(obj, "profile", "", dict, nullable=True) if "profile" in obj else None
+    costs = _op_costs_from_json(obj["op_costs"]) if obj.get("op_costs") is not None else None
     return Policy(layers=layers, signature=sig, budget_bytes=budget, predicted=predicted, solver=solver,
-                  profile=profile, name=name)
+                  profile=profile, name=name, op_costs=costs)
+
+
+def _count(obj: dict, key: str, path: str, kind: type) -> Any:
+    """A non-negative finite number (``kind`` int: a byte count) at ``path + key``."""
+    value = _require(obj, key, path, kind if kind is int else (int, float))
+    if not (math.isfinite(value) and value >= 0):
+        raise PolicySchemaError(f"{path}{key}", f"must be a finite number >= 0, got {value!r}")
+    return value
+
+
+def _op_costs_from_json(costs: Any) -> dict[str, dict[str, Any]]:
+    """``op_costs`` (optional; files written before it existed have none): per op, bytes and times."""
+    if not isinstance(costs, dict):
+        raise PolicySchemaError("op_costs", f"must be an object, got {type(costs).__name__}")
+    out = {}
+    for op, cost in costs.items():
+        path = f"op_costs.{op}"
+        if op not in OP_NAMES:
+            raise PolicySchemaError(path, f"is not an op; the ops are {', '.join(OP_NAMES)}")
+        if not isinstance(cost, dict):
+            raise PolicySchemaError(path, f"must be an object, got {type(cost).__name__}")
+        codecs = _require(cost, "codecs", path + ".", dict) if "codecs" in cost else {}
+        for name, codec in codecs.items():
+            if not isinstance(codec, dict):
+                raise PolicySchemaError(f"{path}.codecs.{name}", f"must be an object, got {type(codec).__name__}")
+            for key, kind in (("compressed_bytes", int), ("time_s", float)):
+                _count(codec, key, f"{path}.codecs.{name}.", kind)
+        out[op] = {"saved_bytes": _count(cost, "saved_bytes", path + ".", int),
+                   "recompute_time_s": _count(cost, "recompute_time_s", path + ".", float),
+                   "codecs": {name: dict(codec) for name, codec in codecs.items()}}
+    return out
 
 
 def load_policy(path: str | os.PathLike, *, signature: dict[str, Any] | None = None) -> Policy:

@@ -11,12 +11,13 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.io import FORMAT, SCHEMA_PATH, SCHEMA_VERSION
 from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, Action
-from megatron_adacc.adacc.policy.signature import SIGNATURE_FIELDS
+from megatron_adacc.adacc.policy.signature import NULLABLE_FIELDS, SIGNATURE_FIELDS, SIGNATURE_TYPES
 
 
 def json_schema() -> dict[str, Any]:
-    sig_props = {f: ({"type": "string"} if f in ("dtype", "megatron_core_version")
-                     else {"type": "integer", "minimum": 1}) for f in SIGNATURE_FIELDS}
+    json_type = {int: {"type": "integer", "minimum": 1}, str: {"type": "string"}, bool: {"type": "boolean"}}
+    sig_props = {f: ({"type": ["integer", "null"], "minimum": 1} if f in NULLABLE_FIELDS else json_type[kind])
+                 for f, kind in SIGNATURE_TYPES.items()}
     decision = {
         "type": "object",
         "required": ["op", "action"],
@@ -69,9 +70,26 @@ def json_schema() -> dict[str, Any]:
                        "description": "strategy, status, solve_time_s, chain_aware, heterogeneous, ..."},
             "profile": {"type": ["object", "null"],
                         "description": "db, id, device, source, created_at of the profile the policy was solved from"},
+            "op_costs": {"type": "object",
+                         "description": "per op, under the profile it was solved from: bytes if kept, recompute "
+                                        "time, and compressed bytes and compress + decompress time of the codecs "
+                                        "the policy uses (optional; `adacc show` prints them)",
+                         "propertyNames": {"enum": list(OP_NAMES)},
+                         "additionalProperties": {"$ref": "#/$defs/op_cost"}},
         },
-        "$defs": {"decision": decision},
+        "$defs": {"decision": decision, "op_cost": _op_cost()},
     }
+
+
+def _op_cost() -> dict[str, Any]:
+    count, seconds = {"type": "integer", "minimum": 0}, {"type": "number", "minimum": 0}
+    return {"type": "object", "required": ["saved_bytes", "recompute_time_s"],
+            "properties": {"saved_bytes": count, "recompute_time_s": seconds,
+                           "codecs": {"type": "object", "propertyNames": {"enum": list(CODECS)},
+                                      "additionalProperties": {"type": "object",
+                                                               "required": ["compressed_bytes", "time_s"],
+                                                               "properties": {"compressed_bytes": count,
+                                                                              "time_s": seconds}}}}}
 
 
 def render() -> str:
