@@ -12,11 +12,12 @@ from megatron_adacc.adacc.integration.evolution import OutlierSeries, PolicyEvol
 from megatron_adacc.adacc.integration.outlier_probe import OUTLIER_OPS, OpSample
 from megatron_adacc.adacc.policy.ops import OUTLIER_CODEC, Action
 from megatron_adacc.adacc.policy.profile import CodecProfile, analytic_profile
+from megatron_adacc.adacc.policy.signature import plain_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, make_problem, solve_policy
 from megatron_adacc.codecs import get_codec
 
-SIG = dict(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=256, micro_batch_size=2,
-           dtype="float32", num_layers=8, megatron_core_version="0.16.1")
+SIG = plain_signature(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, seq_length=256,
+                      micro_batch_size=2, dtype="float32", num_layers=8, megatron_core_version="0.16.1")
 #: The output shape of each outlier op ([s, b, h], or [s, b, ffn] for the MLP's up projection and activation).
 SHAPES = {op: (SIG["seq_length"], SIG["micro_batch_size"],
                SIG["ffn_hidden_size"] if op in ("linear_fc1", "activation") else SIG["hidden_size"])
@@ -169,7 +170,7 @@ def test_no_evolution_flag_disables_it() -> None:
     assert build_extension(SimpleNamespace(adacc_no_evolution=True), None, policy) is None
 
 
-def test_a_policy_file_names_what_to_read_never_where_to_write(tmp_path, capsys) -> None:
+def test_a_policy_file_names_what_to_read_never_where_to_write(tmp_path, capsys, adacc_log) -> None:
     """A policy file's ``profile.db`` used to make training create folders and an SQLite file at that path (it
     turned an existing empty user file into a database). Now it is read when it is a profile database, and
     otherwise evolution is off, with a note, and nothing is touched."""
@@ -191,3 +192,23 @@ def test_a_policy_file_names_what_to_read_never_where_to_write(tmp_path, capsys)
     db = ProfileDB(tmp_path / "real.sqlite")  # a real one is read
     policy.profile = {"db": str(db.path), "id": db.put(analytic_profile(SIG))}
     assert build_extension(args, None, policy) is not None
+
+
+def test_a_policy_file_evolves_against_the_process_memory_it_was_solved_with(tmp_path) -> None:
+    """A file solved on the CPU for a budget that counts the process's memory: re-solved without it, evolution
+    found everything fit and switched a 430 MiB run to keeping everything."""
+    from types import SimpleNamespace
+
+    from megatron_adacc.adacc.integration.evolution import build_extension
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+
+    db = ProfileDB(tmp_path / "p.sqlite")
+    profile = analytic_profile(SIG)
+    pid = db.put(profile)
+    baseline = 300 * 2**20
+    policy, _ = solve_policy(profile, 2 * 2**30, SolveOptions(process_baseline_bytes=baseline))
+    policy.profile = {"db": str(db.path), "id": pid}
+    evo = build_extension(SimpleNamespace(adacc_no_evolution=False), None, policy)
+    assert evo.options.process_baseline_bytes == baseline
+    given = build_extension(SimpleNamespace(adacc_no_evolution=False, adacc_process_baseline_bytes=7.0), None, policy)
+    assert given.options.process_baseline_bytes == 7.0  # the command line's own figure wins

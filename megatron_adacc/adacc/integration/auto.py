@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,12 +17,14 @@ from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
 from megatron_adacc.adacc.runtime import stages
 from megatron_adacc.core.devices import resident_bytes, resolve_device
 from megatron_adacc.core.errors import AdaccError
+from megatron_adacc.core.log import get_logger
+from megatron_adacc.core.units import format_bytes
 
 T = TypeVar("T")
 
 
-def _log(msg: str) -> None:
-    print(f"[adacc] {msg}", file=sys.stderr, flush=True)
+LOG = get_logger()
+_log = LOG.info
 
 
 def _device(args: Any) -> torch.device:
@@ -55,8 +54,8 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
         pid, profile = found
         log(f"reusing profile #{pid} from {db.path} ({profile.device})")
         if profile.meta.get("contended"):  # said at every reuse: the policy rests on these timings
-            log(f"WARNING: profile #{pid} was measured under contention ({profile.meta['contended']}); its "
-                "times may mislead the solver: `adacc profile --refresh` with the same flags on a quiet machine")
+            LOG.warning(f"profile #{pid} was measured under contention ({profile.meta['contended']}); its times may "
+                        "mislead the solver: `adacc profile --refresh` with the same flags on a quiet machine")
         return profile, db.reference(pid, profile)
     return profile_child.profile_and_store(args, config, device, db, log)
 
@@ -116,7 +115,8 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
     device = _device(args)
     resident = resident_bytes()  # before profiling, which may run in this process
     profile, ref = get_or_make_profile(args, config, log=log, isolate=isolate)
-    if device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None):
+    if (device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None)
+            and not getattr(args, CALIBRATION_RUN, False)):
         # Kept on args so that policy evolution re-solves against the same process memory.
         args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
     options = SolveOptions.from_args(args)
@@ -126,8 +126,8 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
         policy, result = solve_policy(profile, budget, options, profile_ref=ref,
                                       signature=model_signature(config, args))
         log(f"policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms ({policy.summary()}): "
-            f"predicted {result.predicted_memory_bytes / 2**30:.3f} GiB of {budget / 2**30:.3f} GiB, "
-            f"overhead {result.predicted_time_s * 1e3:.1f} ms per micro-batch")
+            f"predicted {format_bytes(result.predicted_memory_bytes, 2, like=budget)} of "
+            f"{format_bytes(budget, 2)}, overhead {result.predicted_time_s * 1e3:.1f} ms per micro-batch")
         return policy
 
     return on_rank0(solve)
@@ -163,40 +163,56 @@ LOW_FRAGMENTATION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _run_key(args: Any) -> str:
-    """What a calibrated process baseline depends on besides the profile. ``peak=own``: calibrations stored
-    before the peak was the child's own (core.devices.peak_resident_bytes) counted the training process that
-    launched them, and are not reused."""
+    """What a calibrated process baseline depends on besides the profile: the micro-batch, the allocator, and the
+    MILP backend loaded into the process (:func:`_calibrate`). ``peak=own``: calibrations stored before the peak
+    was the child's own (core.devices.peak_resident_bytes) counted the training process that launched them, and
+    are not reused; nor are those without a ``milp`` (their run loaded no solver)."""
+    from megatron_adacc.adacc.policy.strategies.base import select_backend
+
     return (f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536;"
-            "peak=own")
+            f"peak=own;milp={select_backend()}")
+
+
+#: Set on the arguments of a calibration run (never a flag): the run solves its own policy as the user's
+#: ``auto`` does, and must not calibrate in turn.
+CALIBRATION_RUN = "adacc_calibration_run"
+#: The budget a calibration run solves for: one every policy fits, so the solver keeps everything (the fastest).
+_UNBOUNDED = 2**62
 
 
 def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: ProfileDB, key: str,
                log: Callable[[str], None]) -> None:
-    """Measure a short keep-everything run of the user's command and store its process baseline."""
-    from megatron_adacc.adacc.policy.io import save_policy
+    """Measure a short keep-everything run of the user's command and store its process baseline.
+
+    The run is ``auto`` itself under a budget every policy fits, so its process holds what the user's holds
+    besides activations: the profile database, PuLP and the MILP backend (HiGHS is a library loaded into the
+    process, several MiB of resident memory) and the solver's working memory, which a run from a policy file
+    would leave out of the baseline and the user's ``auto`` run would then exceed its prediction by."""
     from megatron_adacc.core import host
 
     runner = host.current()
     if not runner.runs_training:
         return
-    keep_all = Policy.all_keep(int(profile.signature["num_layers"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(save_policy(keep_all, os.path.join(tmp, "keep-all.json")))
-        log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
-            "in child processes (one as it runs, one traced stage by stage), once per profile and micro-batch size")
+    log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
+        "in child processes (one as it runs, one traced stage by stage), once per profile and micro-batch size")
 
-        def measured(trace: bool) -> dict | None:
-            return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy=path, train_iters=2,
-                                      adacc_no_evolution=True, adacc_predict_memory=False,
-                                      adacc_memory_budget=None, adacc_process_baseline_bytes=None,
-                                      adacc_trace_backward=trace)
+    def measured(trace: bool) -> dict | None:
+        return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy="auto", train_iters=2,
+                                  adacc_no_evolution=True, adacc_predict_memory=False,
+                                  adacc_memory_budget=_UNBOUNDED, adacc_memory_headroom=0.0,
+                                  adacc_process_baseline_bytes=None, adacc_trace_backward=trace,
+                                  **{CALIBRATION_RUN: True})
 
-        # The peak comes from a run exactly as the user's runs: a traced one runs keep-everything layers through
-        # the runtime's decomposition instead of megatron's forward.
-        run = measured(False)
-        traced_run = measured(True) if run is not None and stages.supported() else None
+    # The peak comes from a run exactly as the user's runs: a traced one runs keep-everything layers through
+    # the runtime's decomposition instead of megatron's forward.
+    run = measured(False)
+    traced_run = measured(True) if run is not None and stages.supported() else None
     if run is None:
         log("calibration run failed; its error is above")
+        return
+    decisions = ((run.get("extensions") or {}).get("adacc") or {}).get("decisions") or {}
+    if set(decisions) != {"keep"}:
+        log(f"calibration run did not keep everything ({decisions}); no process memory stored")
         return
     traced = ((traced_run or {}).get("extensions") or {}).get("adacc", {}).get("backward_stages") or []
     db.put_baseline(int(ref["id"]), key, baseline_from_run(profile, int(run["peak_memory_bytes"]), traced))

@@ -28,7 +28,6 @@ tracking iteration (the paper's Fig. 4; ``report()["outlier_channels"]``). ``--a
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +38,7 @@ from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, solve_policy
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
+from megatron_adacc.core.log import get_logger
 
 if TYPE_CHECKING:
     from megatron_adacc.adacc.integration.outlier_probe import OpSample
@@ -157,8 +157,7 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(float(value), 2)
 
 
-def _default_log(message: str) -> None:
-    print(f"[adacc evolution] {message}", file=sys.stderr, flush=True)
+_default_log = get_logger("adacc.evolution").info
 
 
 @dataclass
@@ -284,6 +283,17 @@ class PolicyEvolution(TrainingExtension):
         return record
 
 
+def _solved_with(args: Any, policy: Policy, profile: LayerProfile) -> SolveOptions:
+    """The options to re-solve ``policy`` under: the run's, with the process memory the policy was solved
+    against where the run names none. A policy file solved on the CPU counted the process's own memory in its
+    static bytes; re-solved without it, evolution would find everything fits and keep everything, over budget."""
+    options = SolveOptions.from_args(args)
+    static = (policy.predicted or {}).get("static_bytes")
+    if not options.process_baseline_bytes and static is not None:
+        options.process_baseline_bytes = max(0.0, float(static) - float(profile.static_bytes))
+    return options
+
+
 def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution | None:
     """The evolution extension for a solved policy (``--adacc-policy auto``), or None when turned off or
     when the policy does not reference a stored profile (presets, hand-written files)."""
@@ -294,8 +304,8 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
     ref = policy.profile
     profile = ProfileDB.referenced(ref)  # a policy file names what to read, never where to write
     if profile is None:
-        print(f"[adacc] policy evolution is off: the profile the policy was solved from ({ref.get('db')}, "
-              f"#{ref.get('id')}) is not available here", file=sys.stderr, flush=True)
+        get_logger().warning(f"policy evolution is off: the profile the policy was solved from ({ref.get('db')}, "
+                             f"#{ref.get('id')}) is not available here")
         return None
 
     def apply(new: Policy) -> None:
@@ -304,5 +314,5 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
         install(new, config=config)
 
     return PolicyEvolution(profile=profile, policy=policy, budget_bytes=float(policy.budget_bytes),
-                           options=SolveOptions.from_args(args), apply=apply,
+                           options=_solved_with(args, policy, profile), apply=apply,
                            cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024))
