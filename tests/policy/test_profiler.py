@@ -147,7 +147,7 @@ def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
 
     args, _, _ = env
     out = tmp_path / "pol.json"
-    argv = ["solve", *ARGV, "--adacc-memory-budget", "50MiB", "--adacc-profile-db", args.adacc_profile_db, "-o",
+    argv = ["solve", *ARGV, "--adacc-memory-budget", "4GiB", "--adacc-profile-db", args.adacc_profile_db, "-o",
             str(out)]
     assert main(argv) == 0
     assert main(["show", str(out)]) == 0
@@ -165,6 +165,26 @@ def test_cli_solve_and_show(env, tmp_path, capsys) -> None:
     assert main(["solve", *ARGV, "--adacc-memory-budget", "1KiB", "--adacc-profile-db", args.adacc_profile_db,
                  "-o", str(tmp_path / "x.json")]) == 2
     assert "smallest feasible budget" in capsys.readouterr().err
+
+
+def test_cli_solve_on_the_cpu_counts_the_process_memory_auto_calibrated(env, tmp_path) -> None:
+    """On the CPU the budget is the training process's peak RSS: `adacc solve` counts the process memory `auto`
+    calibrated for this profile and micro-batch (it counted none, and its policies peaked far over budget)."""
+    from megatron_adacc.adacc.integration import auto
+    from megatron_adacc.adacc.policy.io import load_policy
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+    from megatron_adacc.policy_cli import main
+
+    args, _, profile = env
+    db = ProfileDB(args.adacc_profile_db)
+    pid, stored = db.get(profile.device, profile.signature) or (db.put(profile), profile)
+    calibrated = 321 * 2**20
+    db.put_baseline(pid, auto._run_key(args), calibrated)
+    out = tmp_path / "pol.json"
+    assert main(["solve", *ARGV, "--adacc-memory-budget", "4GiB", "--adacc-profile-db", args.adacc_profile_db,
+                 "-o", str(out)]) == 0
+    predicted = load_policy(out).predicted
+    assert predicted["static_bytes"] - stored.static_bytes == calibrated
 
 
 def test_solve_flag_names_the_candidate_codecs() -> None:
