@@ -213,7 +213,14 @@ def select_outlier_channels(abs_sums: torch.Tensor, z_threshold: float) -> torch
     if not bool(sigma > 1e-9 * mu.abs()):
         return torch.empty(0, dtype=torch.int32, device=abs_sums.device)
     z = (abs_sums - mu) / sigma
-    return torch.nonzero(z > z_threshold).reshape(-1).to(torch.int32)
+    return torch.nonzero(z > _cut(z_threshold)).reshape(-1).to(torch.int32)
+
+
+def _cut(z_threshold: float) -> float:
+    """The Z-score a channel must exceed: the threshold, raised by nine significant digits. The compiled sums and
+    the reference's add in different orders, so their Z-scores differ in the last bits; a channel exactly at the
+    threshold (with two channels every Z-score is exactly 1 or -1) would be an outlier for one and not the other."""
+    return z_threshold * (1.0 + 1e-9)
 
 
 def top_outlier_channels(abs_sums: torch.Tensor, z_threshold: float, capacity: int
@@ -230,7 +237,7 @@ def top_outlier_channels(abs_sums: torch.Tensor, z_threshold: float, capacity: i
     mu = abs_sums.mean()
     sigma = (abs_sums - mu).square().mean().sqrt()
     z = (abs_sums - mu) / sigma
-    count = ((z > z_threshold) & (sigma > 1e-9 * mu.abs())).sum()
+    count = ((z > _cut(z_threshold)) & (sigma > 1e-9 * mu.abs())).sum()
     # NaN Z-scores (all sums alike, or non-finite ones) rank anywhere: those channels are then stored exactly.
     idx = z.topk(k).indices.sort().values.to(torch.int32) if k else z.new_empty(0, dtype=torch.int32)
     return idx, count

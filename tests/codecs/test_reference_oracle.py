@@ -142,3 +142,15 @@ def test_outlier_codec_at_a_capacity_stores_every_outlier_and_reads_nothing():
     assert torch.equal(y[..., :2], x[..., :2])  # the outliers exactly, as the exact selection stores them
     assert (y - x).abs().max() <= (y_exact - x).abs().max()  # the other stored channels are exact too
     assert packed.nbytes == codec.compressed_nbytes(x.shape, x.dtype, num_outliers=5)
+
+
+def test_a_channel_exactly_at_the_threshold_is_no_outlier_whatever_the_summation_order():
+    """With two channels every Z-score is exactly -1 or 1; rounding made some 1 + ulp, and the compiled sums and
+    the reference's (other addition orders) then disagreed on whether the channel is an outlier at z = 1."""
+    from megatron_adacc.codecs.reference import select_outlier_channels, top_outlier_channels
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(1000):
+        sums = torch.rand(2, generator=g, dtype=torch.float64) * 10.0 ** float(torch.randint(-5, 5, (), generator=g))
+        assert select_outlier_channels(sums, 1.0).numel() == 0, sums
+        assert int(top_outlier_channels(sums, 1.0, 2)[1]) == 0, sums
