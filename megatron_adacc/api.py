@@ -119,6 +119,9 @@ def _arguments(config: Any, model: Any, policy: Any, *, budget: int | str | None
                                 getattr(model, "max_sequence_length", None))
     args.position_embedding_type = getattr(model, "position_embedding_type", "learned_absolute")
     args.attention_backend = _attention_backend_of(model)
+    # the model signature's vocabulary and embeddings, where a model says them (a bare config does not)
+    args.vocab_size = getattr(model, "vocab_size", None)
+    args.untie_embeddings_and_output_weights = not getattr(model, "share_embeddings_and_output_weights", True)
     args.bf16, args.fp16 = bool(config.bf16), bool(config.fp16)
     args.device = _device_of(model)
     args.seed = 1234  # the profiling batch's draw (Megatron's default seed); the caller's RNG is left as it was

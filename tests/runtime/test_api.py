@@ -33,6 +33,8 @@ def test_auto_solves_for_the_budget_from_the_model(model, batch, tmp_path):
     assert glue.installed_policy() is policy
     assert policy.signature["seq_length"] == model.max_sequence_length
     assert policy.signature["micro_batch_size"] == 2
+    assert policy.signature["vocab_size"] == model.vocab_size
+    assert policy.signature["untie_embeddings_and_output_weights"] is not model.share_embeddings_and_output_weights
     assert (tmp_path / "profiles.sqlite").is_file()  # profiled once, kept for the next install
     loss, grads = loss_and_grads(model, batch)
     assert torch.isfinite(loss) and grads
@@ -72,7 +74,8 @@ def _signature(model, **overrides):
 
     from megatron_adacc.adacc.policy.signature import model_signature
 
-    args = SimpleNamespace(seq_length=model.max_sequence_length, micro_batch_size=2)
+    args = SimpleNamespace(seq_length=model.max_sequence_length, micro_batch_size=2, vocab_size=model.vocab_size,
+                           untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights)
     return {**model_signature(model.config, args), **overrides}
 
 
