@@ -107,8 +107,12 @@ class MaskCodec:
             return _MaskPacked(bits.compress(t), None, t.dtype)
         kept = t != 0
         scale = t.amax() if t.numel() else t.new_ones(())
-        # Runs inside the forward at every dropout: one more bool temporary, no gathering of the non-zeros.
-        flag = (kept & (t != scale)).any().reshape(1) | ~torch.isfinite(scale).reshape(1)
+        # Runs inside the forward at every dropout: one more bool temporary (anded in place), no gathering of the
+        # non-zeros; ``kept & (t != scale)`` would hold a third mask-sized one.
+        stray = t != scale
+        stray &= kept
+        flag = stray.any().reshape(1) | ~torch.isfinite(scale).reshape(1)
+        del stray
         return _MaskPacked(bits.compress(kept), scale, t.dtype, flag)
 
     def decompress(self, p: _MaskPacked) -> torch.Tensor:
