@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from megatron_adacc.bench import harness, outliers
-from megatron_adacc.bench.common import interleaved_runs, keep_all_offset, profile_for, train_method
+from megatron_adacc.bench.common import interleaved_runs, profile_for, train_method
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
 from megatron_adacc.core.log import Steps
 
@@ -103,25 +103,7 @@ def run(args) -> dict:
     if unknown:
         raise IntegrationError(f"unknown --parts {sorted(unknown)}; choose from fig5, fig6, fig7")
     recorded = _recorded(args) if parts != {"fig5", "fig6", "fig7"} else None
-    import tempfile
-
-    import torch
-
-    workdir = tempfile.mkdtemp(prefix="adacc-paper-")
-    offsets: dict[int, int] = {}
     step = Steps(None, "paper")  # how many runs Table 3 and Fig. 7 take depends on what fits
-
-    def process_baseline(mb: int) -> list[str]:
-        # On the CPU the budget is peak RSS, and what the process holds besides the modeled memory is only
-        # estimated by `auto` (its RSS before solving). The benchmark measures it instead, as `adacc bench
-        # budget` does: Adacc's keep-all peak minus the model's keep-all prediction, per micro-batch.
-        if torch.cuda.is_available():
-            return []
-        if mb not in offsets:
-            step.note(f"calibrating the process memory at micro-batch {mb}")
-            offsets[mb], _ = keep_all_offset(common + ["--micro-batch-size", str(mb), "--global-batch-size",
-                                                       str(mb)], workdir)
-        return ["--adacc-process-baseline", str(offsets[mb])]
 
     def point(flags: list[str], mb: int, budget: int | None = None, memory: bool = True) -> dict:
         extra = ["--micro-batch-size", str(mb), "--global-batch-size", str(mb)]
@@ -130,7 +112,6 @@ def run(args) -> dict:
         try:
             if "auto" in flags:
                 profile_for(common + flags + extra)
-                extra += process_baseline(mb)
             return train_method(common + flags + extra, memory_run=memory)
         except RuntimeError as exc:  # an infeasible Adacc budget, or an out-of-memory run
             return {"error": str(exc).strip().splitlines()[-1][:300]}
@@ -154,7 +135,7 @@ def run(args) -> dict:
         sweep, max_batch = _int_keys(recorded["sweep"]), recorded["max_micro_batch"]
     if "fig6" in parts:
         loss_corpus = _loss_corpus(args.loss_corpus)
-        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus, workdir, step)
+        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus, step)
     else:
         curves = _recorded_curves(recorded)
         loss_corpus = recorded["config"].get("loss_corpus", "embedded")
@@ -234,7 +215,7 @@ def _loss_corpus(choice: str) -> str:
     return "embedded"
 
 
-def _fig6(args, loss_steps, corpus: str, workdir: str, step: Steps) -> tuple[dict, int, int, int]:
+def _fig6(args, loss_steps, corpus: str, step: Steps) -> tuple[dict, int, int, int]:
     # Fig. 6: loss curves on real text. Under a roomy budget Adacc keeps everything and its curve is the
     # baseline's; the paper's comparison needs Adacc to compress. The loss budget is therefore a quarter of
     # the way from the quantize-all peak to the baseline peak of the loss config (short memory runs).
@@ -248,18 +229,12 @@ def _fig6(args, loss_steps, corpus: str, workdir: str, step: Steps) -> tuple[dic
     loss_budget = int(peak_quant + 0.25 * max(0, peak_base - peak_quant))
     harness.LOG.info(f"fig6: Adacc budget {loss_budget / 2**20:.0f} MiB (quantize-all {peak_quant / 2**20:.0f} "
                      f"MiB, baseline {peak_base / 2**20:.0f} MiB)")
-    # as in Fig. 5, the process's own memory on the CPU is measured, so that the policy is the one this budget
-    # really calls for (auto's own estimate misses buffers created after it solves)
-    import torch
-
-    process = [] if torch.cuda.is_available() else [
-        "--adacc-process-baseline", str(keep_all_offset(short, workdir)[0])]
     curves = {}
     for name, flags in LOSS_METHODS.items():
         step(f"fig6: {name}, {loss_steps} steps")
         try:
             if "auto" in flags:
-                flags = flags + ["--adacc-memory-budget", str(loss_budget)] + process
+                flags = flags + ["--adacc-memory-budget", str(loss_budget)]
                 profile_for(loss_common + flags)
             curves[name] = train_method(loss_common + flags, memory_run=False)
             curves[name]["decisions"] = curves[name].get("extensions", {}).get("adacc", {}).get("decisions")
