@@ -212,3 +212,36 @@ def test_a_policy_file_evolves_against_the_process_memory_it_was_solved_with(tmp
     assert evo.options.process_baseline_bytes == baseline
     given = build_extension(SimpleNamespace(adacc_no_evolution=False, adacc_process_baseline_bytes=7.0), None, policy)
     assert given.options.process_baseline_bytes == 7.0  # the command line's own figure wins
+
+
+def test_a_run_continuing_a_checkpoint_made_without_evolution_tracks_from_its_own_start() -> None:
+    """Continuing a stock checkpoint of iteration 3000 under auto profiles anew: the drift to sample early is the
+    one since then. The schedule counted from iteration 0 tracked first at 3072 (cap 1024: never, in a short
+    run)."""
+    evo, source, _, _ = setup(lambda it: HIGH)
+    for it in range(3001, 3021):
+        source.iteration = it
+        evo.on_step_begin(it)
+        evo.on_step_end(it, loss=1.0)
+    assert [r.iteration for r in evo.tracks] == [3001, 3002, 3004, 3008, 3016]
+    assert source.armed == [3001, 3002, 3004, 3008, 3016]
+
+
+def test_a_resumed_evolution_tracks_where_the_straight_run_does() -> None:
+    """Resumed at 3010 from a checkpoint of a run that started at 3001, evolution keeps that run's schedule, so a
+    resumed run and a straight one sample, and switch, at the same iterations."""
+    straight, source, _, _ = setup(lambda it: HIGH)
+    for it in range(3001, 3021):
+        source.iteration = it
+        straight.on_step_begin(it)
+        straight.on_step_end(it, loss=1.0)
+        if it == 3010:
+            state = straight.state_dict()
+    resumed, source2, _, _ = setup(lambda it: HIGH)
+    resumed.load_state_dict(state)
+    for it in range(3011, 3021):
+        source2.iteration = it
+        resumed.on_step_begin(it)
+        resumed.on_step_end(it, loss=1.0)
+    assert [r.iteration for r in resumed.tracks] == [r.iteration for r in straight.tracks if r.iteration > 3010]
+    assert [r.iteration for r in resumed.tracks] == [3016]

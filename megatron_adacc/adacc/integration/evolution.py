@@ -2,7 +2,9 @@
 
 Outlier counts, and with them the compression ratio of outlier-separated tensors, drift during training,
 mostly early on. Training iterations are therefore split into normal and *tracking* iterations, spaced by
-exponential backoff: iterations 1, 2, 4, 8, ... and then every ``cap`` iterations. On each tracking iteration
+exponential backoff: iterations 1, 2, 4, 8, ... and then every ``cap`` iterations, counted from the first
+iteration evolution runs (a run continuing a checkpoint made without it profiles anew and tracks from there).
+On each tracking iteration
 the extension
 
 1. samples the outlier statistics of EVERY op that offers outlier-separated INT4 (``int4_outlier``), whatever
@@ -183,6 +185,8 @@ class PolicyEvolution(TrainingExtension):
             from megatron_adacc.adacc.integration.outlier_probe import OutlierProbe
 
             self.source = OutlierProbe(self.options.outlier_z, log=self.log)
+        self._origin: int | None = None
+        """The iteration before the first one this evolution watched: its schedule counts from there."""
         self._schedule = tracking_iterations(self.cap)
         self._next = next(self._schedule)
         self.tracks: list[TrackRecord] = []
@@ -194,9 +198,15 @@ class PolicyEvolution(TrainingExtension):
         self.source.setup(ctx.model)
 
     def _is_tracking(self, iteration: int) -> bool:
-        while self._next < iteration:  # resumed runs and skipped calls catch up with the schedule
+        # The schedule starts where the profile was taken: a run that continues a checkpoint made without
+        # evolution (stock training, another policy) profiled just now, and the drift worth sampling early is
+        # the one since then. A resumed evolution keeps the origin it saved, so its tracking iterations are the
+        # straight run's.
+        if self._origin is None:
+            self._origin = iteration - 1
+        while self._origin + self._next < iteration:  # resumed runs and skipped calls catch up with the schedule
             self._next = next(self._schedule)
-        return iteration == self._next
+        return iteration == self._origin + self._next
 
     def on_step_begin(self, iteration: int) -> None:
         if self._is_tracking(iteration):
@@ -212,7 +222,8 @@ class PolicyEvolution(TrainingExtension):
         from megatron_adacc.adacc.policy.io import policy_to_json
 
         return {"policy": policy_to_json(self.policy), "profile": self.profile.to_json(),
-                "switches": [r.iteration for r in self.switches], "outlier_channels": self.outliers.to_json()}
+                "switches": [r.iteration for r in self.switches], "outlier_channels": self.outliers.to_json(),
+                "origin": self._origin or 0}
 
     def load_state_dict(self, state: dict) -> None:
         from megatron_adacc.adacc.policy.io import policy_from_json
@@ -222,6 +233,7 @@ class PolicyEvolution(TrainingExtension):
             self.profile = LayerProfile.from_json(state["profile"])
             if "outlier_channels" in state:
                 self.outliers = OutlierSeries.from_json(state["outlier_channels"])
+            self._origin = int(state.get("origin", 0))  # checkpoints from before the origin was saved began at 0
             if self.apply is not None:
                 self.apply(self.policy)
 
