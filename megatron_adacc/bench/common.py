@@ -8,6 +8,7 @@ one run gives both (``torch.cuda.max_memory_allocated``).
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from megatron_adacc.bench import harness
@@ -61,11 +62,11 @@ def train_method(flags: list[str], memory_run: bool = True, timeout: float = 180
     saved_activation_bytes, peak_memory_bytes (from a low-fragmentation run when ``memory_run``)."""
     timed = harness.run_method_subprocess(__name__, {"flags": flags}, timeout=timeout)
     out = {k: timed.get(k) for k in ("step_time_s", "tokens_per_s", "final_loss", "saved_activation_bytes",
-                                     "peak_memory_bytes", "losses", "valid_loss")}
+                                     "peak_memory_bytes", "losses", "valid_loss", "step_times_s")}
     # what the features report that a benchmark may read (policy evolution's switches and outlier counts, the
     # paper's Fig. 4); not per-layer detail
-    keys = ("switches", "tracking_iterations", "outlier_channels", "policy", "decisions", "predicted_peak_bytes",
-            "over_budget")
+    keys = ("switches", "tracking_iterations", "tracks", "outlier_channels", "policy", "decisions",
+            "predicted_peak_bytes", "over_budget")
     out["extensions"] = {name: {k: v for k, v in rep.items() if k in keys}
                          for name, rep in (timed.get("extensions") or {}).items()}
     out["peak_memory_source"] = timed["peak_memory_kind"]
@@ -75,6 +76,31 @@ def train_method(flags: list[str], memory_run: bool = True, timeout: float = 180
         out["peak_memory_bytes"] = mem["peak_memory_bytes"]
         out["peak_memory_source"] = "peak_rss (MALLOC_MMAP_THRESHOLD_=65536 run)"
     return out
+
+
+_INFEASIBLE = re.compile(r"smallest feasible budget is ([\d,]+) bytes")
+
+
+def infeasible_bytes(message: str) -> int | None:
+    """The smallest feasible budget a refusal of ``--adacc-policy auto`` names (its InfeasibleBudgetError's
+    text), or None for any other message."""
+    match = _INFEASIBLE.search(message or "")
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def auto_floor(flags: list[str]) -> int:
+    """The smallest budget ``adacc train FLAGS --adacc-policy auto`` can keep, as the user's command finds it:
+    a run asked for 1 MiB is refused naming it (after profiling and calibrating the process memory, which the
+    runs after it then reuse)."""
+    try:
+        train_method(flags + ["--adacc-policy", "auto", "--adacc-memory-budget", "1MiB", "--train-iters", "1"],
+                     memory_run=False)
+    except RuntimeError as exc:
+        found = infeasible_bytes(str(exc))
+        if found is not None:
+            return found
+        raise
+    raise RuntimeError("--adacc-policy auto kept a budget of 1 MiB: the refusal that names its floor never came")
 
 
 def interleaved_runs(run, names, repeats: int) -> dict[str, list]:

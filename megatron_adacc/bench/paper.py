@@ -7,7 +7,9 @@
   PyPI cannot be reached) for Baseline, Quantization, Adacc and Adacc without outlier separation, with
   final-loss differences in percent, and the baseline again with another seed: the run-to-run spread that
   tells a real difference from a different trajectory.
-* Fig. 7 — Adacc with and without adaptive policy evolution.
+* Fig. 7 — Adacc with and without adaptive policy evolution, on runs of the loss config long enough for
+  outlier statistics to drift: from a fresh start and continuing a stock-pretrained checkpoint
+  (:mod:`megatron_adacc.bench.evolution`).
 * Fig. 4 — outlier channels per op against the iteration, as evolution sampled them in the Fig. 7 runs with
   evolution on (nothing extra runs: :mod:`megatron_adacc.bench.outliers`).
 
@@ -19,12 +21,11 @@ RSS from low-fragmentation runs (docs/measuring.md) and the budget is in those t
 from __future__ import annotations
 
 import os
-import re
-import statistics
 from pathlib import Path
 
+from megatron_adacc.bench import evolution as fig7
 from megatron_adacc.bench import harness, outliers
-from megatron_adacc.bench.common import interleaved_runs, profile_for, train_method
+from megatron_adacc.bench.common import auto_floor, infeasible_bytes, profile_for, train_method
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
 from megatron_adacc.core.log import Steps
 
@@ -49,11 +50,6 @@ NOISE_REFERENCE = "baseline_other_seed"
 #: Validation batches at the end of each loss curve: the methods' gaps are fractions of a percent, so the
 #: sample the validation loss is taken on should add as little to them as a few seconds of evaluation allow.
 LOSS_EVAL_ITERS = 32
-#: Fig. 7 methods.
-EVOLUTION_METHODS = {
-    "adacc": ["--adacc-policy", "auto"],
-    "adacc_no_evolution": ["--adacc-policy", "auto", "--adacc-no-evolution"],
-}
 
 
 def add_arguments(parser) -> None:
@@ -72,8 +68,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="Steps per throughput point (default 6).")
     parser.add_argument("--loss-steps", type=int, default=None, help="Steps of each loss curve (default 300).")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="Fig. 7: alternating runs of Adacc with and without evolution per micro-batch, "
-                             "compared by their medians (default 3; 1 with --quick).")
+                        help="Fig. 7: alternating runs of Adacc with and without evolution per start, compared by "
+                             "their medians (default 3; 1 with --quick).")
+    parser.add_argument("--fig7-steps", type=int, default=None,
+                        help=f"Fig. 7: steps of each run (default {fig7.DEFAULT_STEPS}; 40 with --quick).")
+    parser.add_argument("--continue-from", default=None, metavar="DIR",
+                        help="Fig. 7: the stock checkpoint of the loss config (`adacc train --config tiny --corpus "
+                             "shakespeare --train-iters 3000 --save DIR`) the continued runs start from. Default: "
+                             "one trained for --pretrain-iters and cached.")
+    parser.add_argument("--pretrain-iters", type=int, default=None,
+                        help=f"Fig. 7: iterations of the cached stock pretraining (default "
+                             f"{fig7.DEFAULT_PRETRAIN_ITERS}; 60 with --quick).")
     parser.add_argument("--parts", default="fig5,fig6,fig7",
                         help="Comma-separated parts to run (fig5 includes Table 3, fig7 the outlier counts of "
                              "Fig. 4); the others are taken from the recorded paper.json, so one figure can be "
@@ -133,20 +138,24 @@ def run(args) -> dict:
         sweep, max_batch = _fig5(args, batches, budget, probe, point, step)
     else:
         sweep, max_batch = _int_keys(recorded["sweep"]), recorded["max_micro_batch"]
-    if "fig6" in parts:
+    if parts & {"fig6", "fig7"}:
         loss_corpus = _loss_corpus(args.loss_corpus)
-        curves, loss_budget, peak_base, peak_quant = _fig6(args, loss_steps, loss_corpus, step)
+        loss_budget, peak_base, floor = _loss_budget(args, loss_corpus, step)
+        budget_from = {"baseline_peak_bytes": peak_base, "auto_floor_bytes": floor}
+    if "fig6" in parts:
+        curves = _fig6(args, loss_steps, loss_corpus, loss_budget, step)
     else:
         curves = _recorded_curves(recorded)
         loss_corpus = recorded["config"].get("loss_corpus", "embedded")
-        loss_budget = recorded.get("loss_budget_bytes")
-        peak_base = recorded.get("loss_budget_from", {}).get("baseline_peak_bytes")
-        peak_quant = recorded.get("loss_budget_from", {}).get("quantization_peak_bytes")
-    # Fig. 7 at the largest micro-batches Adacc fits (where its policy compresses and recomputes most)
-    fitting = [mb for mb in batches if sweep["adacc"].get(mb, {}).get("fits")] or batches
-    evolution = (_fig7(fitting[-1:] if args.quick else fitting[-2:], steps, budget, point, repeats, step)
-                 if "fig7" in parts
-                 else _int_keys(recorded.get("evolution", {})))
+        fig6_budget, fig6_from = recorded.get("loss_budget_bytes"), recorded.get("loss_budget_from", {})
+    if "fig7" in parts:
+        evolution = _fig7(args, loss_corpus, loss_budget, repeats, step)
+        fig7_budget = loss_budget
+    else:
+        evolution = recorded.get("evolution", {})
+        fig7_budget = recorded["config"].get("fig7_budget_bytes")
+    if "fig6" in parts:
+        fig6_budget, fig6_from = loss_budget, budget_from
 
     out = harness.results_dir(args)
     methods = {name: {"max_micro_batch": max_batch[name],
@@ -156,17 +165,18 @@ def run(args) -> dict:
     for name, c in curves.items():
         methods.setdefault(name, {})["final_loss"] = _tail_mean(c.get("losses", []))
         methods[name]["valid_loss"] = c.get("valid_loss")
-    payload = {"budget_bytes": budget, "loss_budget_bytes": loss_budget,
-               "loss_budget_from": {"baseline_peak_bytes": peak_base, "quantization_peak_bytes": peak_quant},
+    payload = {"budget_bytes": budget, "loss_budget_bytes": fig6_budget, "loss_budget_from": fig6_from,
                "sweep": _str_keys(sweep), "max_micro_batch": max_batch,
                "loss_curves": {k: v.get("losses", []) for k, v in curves.items()},
                "valid_loss": {k: v.get("valid_loss") for k, v in curves.items()},
                "loss_decisions": {k: v["decisions"] for k, v in curves.items() if v.get("decisions")},
-               "evolution": _str_keys(evolution)}
+               "evolution": evolution}
     config_info = {"throughput_config": config, "loss_config": args.loss_config, "loss_corpus": loss_corpus,
                    "batches": batches,
-                   "steps": steps, "loss_steps": loss_steps, "quick": args.quick, "loss_budget_bytes": loss_budget,
+                   "steps": steps, "loss_steps": loss_steps, "quick": args.quick, "loss_budget_bytes": fig6_budget,
+                   "loss_budget_from": fig6_from, "fig7_budget_bytes": fig7_budget,
                    "fig7_repeats": repeats if "fig7" in parts else recorded["config"].get("fig7_repeats", 1),
+                   "fig7_steps": (_fig7_steps(args) if "fig7" in parts else recorded["config"].get("fig7_steps")),
                    "loss_eval_iters": LOSS_EVAL_ITERS if "fig6" in parts
                    else recorded["config"].get("loss_eval_iters", 8)}
     step.close()
@@ -215,58 +225,52 @@ def _loss_corpus(choice: str) -> str:
     return "embedded"
 
 
-def _fig6(args, loss_steps, corpus: str, step: Steps) -> tuple[dict, int, int, int]:
-    # Fig. 6: loss curves on real text. Under a roomy budget Adacc keeps everything and its curve is the
-    # baseline's; the paper's comparison needs Adacc to compress. The loss budget is therefore a quarter of
-    # the way from the quantize-all peak to the baseline peak of the loss config (short memory runs).
+def _loss_budget(args, corpus: str, step: Steps) -> tuple[int, int, int]:
+    """The budget of Fig. 6 and Fig. 7: a quarter of the way from the smallest budget ``--adacc-policy auto``
+    keeps for the loss config to the baseline's peak, so that Adacc compresses and recomputes (under a roomy
+    budget it keeps everything and its curve is the baseline's). Returns ``(budget, baseline peak, auto's
+    floor)``, both measured as the user's own commands find them."""
+    short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus]
+    step("loss config: the baseline's peak and the smallest budget auto keeps")
+    peak_base = train_method(short)["peak_memory_bytes"]
+    floor = auto_floor(short)
+    budget = int(floor + 0.25 * max(0, peak_base - floor))
+    harness.LOG.info(f"Adacc budget of the loss config: {budget / 2**20:.0f} MiB (auto keeps {floor / 2**20:.0f} MiB "
+                     f"at the least, the baseline peaks at {peak_base / 2**20:.0f} MiB)")
+    return budget, peak_base, floor
+
+
+def _fig6(args, loss_steps, corpus: str, budget: int, step: Steps) -> dict:
+    """Fig. 6: loss curves on real text under the loss budget (:func:`_loss_budget`)."""
     loss_common = ["--config", args.loss_config, "--train-iters", str(loss_steps),
                    "--eval-iters", str(LOSS_EVAL_ITERS),
                    "--corpus", corpus]
-    short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus]
-    step("fig6: baseline and quantization peaks of the loss config")
-    peak_base = train_method(short)["peak_memory_bytes"]
-    peak_quant = train_method(short + LOSS_METHODS["quantization"])["peak_memory_bytes"]
-    loss_budget = int(peak_quant + 0.25 * max(0, peak_base - peak_quant))
-    harness.LOG.info(f"fig6: Adacc budget {loss_budget / 2**20:.0f} MiB (quantize-all {peak_quant / 2**20:.0f} "
-                     f"MiB, baseline {peak_base / 2**20:.0f} MiB)")
     curves = {}
     for name, flags in LOSS_METHODS.items():
         step(f"fig6: {name}, {loss_steps} steps")
         try:
             if "auto" in flags:
-                flags = flags + ["--adacc-memory-budget", str(loss_budget)]
+                flags = flags + ["--adacc-memory-budget", str(budget)]
                 profile_for(loss_common + flags)
             curves[name] = train_method(loss_common + flags, memory_run=False)
             curves[name]["decisions"] = curves[name].get("extensions", {}).get("adacc", {}).get("decisions")
         except RuntimeError as exc:
             curves[name] = {"error": str(exc).strip().splitlines()[-1][:300], "losses": []}
-    return curves, loss_budget, peak_base, peak_quant
+    return curves
 
 
-def _fig7(batches, steps, budget, point, repeats: int = 1, step: Steps | None = None) -> dict:
-    """Fig. 7: policy evolution on and off, ``repeats`` fresh runs each in alternation (on, off, on, off ...)
-    so that the machine's drifts hit both alike; each side reports its median run, with every run's
-    throughput kept as ``tokens_per_s_runs``."""
-    say = step or Steps(None, "paper")
-    evolution: dict[str, dict[int, dict]] = {m: {} for m in EVOLUTION_METHODS}
-    for mb in batches:
-        def one(name: str, mb: int = mb) -> dict:
-            say(f"fig7: {name} micro-batch {mb}")
-            # throughput only: Fig. 7 compares speed, so no separate memory run
-            r = point(EVOLUTION_METHODS[name] + ["--train-iters", str(steps * 4)], mb, budget, memory=False)
-            r.pop("losses", None)
-            return r
+def _fig7_steps(args) -> int:
+    return args.fig7_steps or (40 if args.quick else fig7.DEFAULT_STEPS)
 
-        for name, rs in interleaved_runs(one, EVOLUTION_METHODS, repeats).items():
-            timed = [r for r in rs if r.get("tokens_per_s")]
-            if not timed:
-                evolution[name][mb] = rs[0]
-                continue
-            tps = [r["tokens_per_s"] for r in timed]
-            median = statistics.median(tps)
-            median_run = min(timed, key=lambda r: abs(r["tokens_per_s"] - median))
-            evolution[name][mb] = dict(median_run, tokens_per_s=median, tokens_per_s_runs=tps)
-    return evolution
+
+def _fig7(args, corpus: str, budget: int, repeats: int, step: Steps) -> dict:
+    """Fig. 7 on the loss config and corpus under the Fig. 6 budget, fresh and continuing a stock checkpoint."""
+    ckpt = (Path(args.continue_from) if args.continue_from else
+            fig7.pretrained_checkpoint(args.loss_config, corpus, args.pretrain_iters or
+                                       (60 if args.quick else fig7.DEFAULT_PRETRAIN_ITERS), step))
+    common = ["--config", args.loss_config, "--corpus", corpus]
+    profile_for(common + ["--adacc-policy", "auto"])  # profiled once, outside every timed run
+    return fig7.run(common, {fig7.FRESH: None, fig7.CONTINUED: ckpt}, budget, _fig7_steps(args), repeats, step)
 
 
 def _int_keys(d: dict) -> dict:
@@ -306,8 +310,9 @@ def _rebuild(args) -> dict:
     data = _recorded(args)
     config_info = dict(data["config"])
     config_info.setdefault("loss_budget_bytes", data.get("loss_budget_bytes"))
+    config_info.setdefault("loss_budget_from", data.get("loss_budget_from"))
     _write_report(args, harness.results_dir(args), config_info, data["budget_bytes"], _int_keys(data["sweep"]),
-                  data["max_micro_batch"], _recorded_curves(data), _int_keys(data.get("evolution", {})),
+                  data["max_micro_batch"], _recorded_curves(data), data.get("evolution", {}),
                   data.get("machine"), data.get("versions"))
     return data["methods"]
 
@@ -359,26 +364,16 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
     ax_d.legend(fontsize=8)
     files["loss"] = _save(plt, fig, out / "paper_loss.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(evolution)
-    mbs = sorted({mb for v in evolution.values() for mb in v})
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        ys = [evolution[name].get(mb, {}).get("tokens_per_s") or 0 for mb in mbs]
-        # the whiskers span the alternating runs (the bar is their median)
-        runs = [_runs(evolution[name][mb]) if y else [0] for mb, y in zip(mbs, ys)]
-        err = [[y - min(r) for y, r in zip(ys, runs)], [max(r) - y for y, r in zip(ys, runs)]]
-        ax.bar([j + i * width for j in range(len(mbs))], ys, width=width, label=name, yerr=err, capsize=4)
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(mbs))], [str(m) for m in mbs])
-    ax.set(xlabel="micro-batch size", ylabel="tokens / s", title="Fig. 7: adaptive policy evolution")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    fig7.draw(ax, evolution)
     files["evolution"] = _save(plt, fig, out / "paper_evolution.png")
 
     fig4 = outliers.recorded_series(evolution)
-    if fig4 is not None:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        outliers.draw(ax, fig4[1])
-        ax.set_title(f"Fig. 4: outlier channels during training (micro-batch {fig4[0]})")
+    if fig4:
+        fig, axes = plt.subplots(1, len(fig4), figsize=(6 * len(fig4), 4), squeeze=False)
+        for ax, (start, series) in zip(axes[0], fig4):
+            outliers.draw(ax, series)
+            ax.set_title(f"Fig. 4: outlier channels, {f'micro-batch {start}' if start.isdigit() else start}")
         files["outliers"] = _save(plt, fig, out / "paper_outliers.png")
     return files
 
@@ -388,21 +383,6 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def _runs(result: dict) -> list[float]:
-    """Every run's throughput of a Fig. 7 point (results recorded before alternating runs hold only one)."""
-    return result.get("tokens_per_s_runs") or [result["tokens_per_s"]]
-
-
-def _infeasible_bytes(result: dict) -> int | None:
-    """The smallest feasible budget when Adacc refused a point as infeasible (parsed from the error the run
-    ended with, so reports rebuilt from older results read it too); None for any other outcome."""
-    match = _INFEASIBLE.search(result.get("error", ""))
-    return int(match.group(1).replace(",", "")) if match else None
-
-
-_INFEASIBLE = re.compile(r"smallest feasible budget is ([\d,]+) bytes")
 
 
 def _ratio(a, b) -> str:
@@ -436,7 +416,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         cells = []
         for name in sweep:
             r = sweep[name][mb]
-            needs = _infeasible_bytes(r)
+            needs = infeasible_bytes(r.get("error", ""))  # parsed from the error: older results read too
             if needs is not None:
                 cells.append(f"no policy fits (needs {needs / 2**20:.0f} MiB)")
             elif "error" in r:
@@ -475,10 +455,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         "",
         f"## Fig. 6 / Table 4 — loss on {_CORPUS_TEXT.get(cfg.get('loss_corpus', 'embedded'), 'the corpus')}",
         "",
-        (f"Adacc's runs use a budget of {cfg['loss_budget_bytes'] / 2**20:.0f} MiB, a quarter of the way from the "
-         "quantize-all peak to the baseline peak of this config, so that its policy compresses (under a roomy "
-         "budget it keeps everything and its curve is the baseline's)." if cfg.get("loss_budget_bytes") else
-         "Adacc's runs use the default budget."),
+        _loss_budget_text(cfg),
         "",
         "| method | final training loss (mean of last 10%) | vs baseline | validation loss | vs baseline | "
         "Adacc decisions (layer x op) |",
@@ -497,59 +474,36 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         lines += ["", f"![Fig. 6]({pngs['loss']})"]
     lines += ["", "**Reading.** The paper: Adacc within 0.5% of the baseline's loss, Quantization visibly worse, "
               "and outlier separation worth 0.2-0.7%. Here: " + _loss_reading(curves, base_valid), ""]
-    lines += [
-        "## Fig. 7 — adaptive policy evolution",
-        "",
-        "| micro-batch | " + " | ".join(evolution) + " | ratio |",
-        "|---|" + "---|" * (len(evolution) + 1),
-    ]
-    def cell(r: dict) -> str:
-        if not r.get("tokens_per_s"):
-            return "error"
-        runs = _runs(r)
-        spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
-        return f"{r['tokens_per_s']:,.0f}{spread}"
-
-    for mb in sorted({mb for v in evolution.values() for mb in v}):
-        vals = [evolution[n].get(mb, {}).get("tokens_per_s") for n in evolution]
-        cells = [cell(evolution[n].get(mb, {})) for n in evolution]
-        lines.append(f"| {mb} | " + " | ".join(cells) + f" | {_ratio(vals[0], vals[-1])} |")
+    lines += ["## Fig. 7 — adaptive policy evolution", "", _fig7_setup(cfg), "", *fig7.table(evolution)]
     if "evolution" in pngs:
         lines += ["", f"![Fig. 7]({pngs['evolution']})"]
-    lines += ["", "**Reading.** " + _evolution_reading(evolution, cfg.get("fig7_repeats", 1)), ""]
+    lines += ["", "**Reading.** " + fig7.reading(evolution, cfg.get("fig7_repeats", 1)), ""]
     lines += outliers.report_section(evolution, pngs.get("outliers"))
     return "\n".join(lines)
 
 
-def _evolution_reading(evolution: dict, repeats: int) -> str:
-    paper = ("The paper: evolution adds 1.11-1.2x throughput on GPT-117M/345M, because outlier counts fall during "
-             "training and compression becomes cheaper than recompute for more tensors. ")
-    on, off = evolution.get("adacc", {}), evolution.get("adacc_no_evolution", {})
-    mbs = [mb for mb in on if on[mb].get("tokens_per_s") and off.get(mb, {}).get("tokens_per_s")]
-    if not mbs:
-        return paper + "Here: no pair of runs to compare."
-    ratios = [on[mb]["tokens_per_s"] / off[mb]["tokens_per_s"] for mb in mbs]
-    switches = (sum(len(on[mb].get("extensions", {}).get("adacc_evolution", {}).get("switches") or []) for mb in mbs)
-                if all("extensions" in on[mb] for mb in mbs) else None)
-    how = (f"medians of {repeats} alternating runs each; the table's ranges are the runs' spread"
-           if repeats > 1 else "one run each, so the ratio carries the machine's full run-to-run noise")
-    text = paper + f"Here: {min(ratios):.2f}-{max(ratios):.2f}x ({how})"
-    if switches is None:
-        return text + "."
-    text += f", with {switches} policy switch(es) over the runs"
-    overlap = all(min(_runs(on[mb])) <= max(_runs(off[mb])) and min(_runs(off[mb])) <= max(_runs(on[mb]))
-                  for mb in mbs)
-    if switches == 0:
-        text += (". Without a switch both sides train the same policy (tracking iterations run between the timed "
-                 "steps), so the ratio measures only the machine: "
-                 + ("the runs' ranges overlap, as they should. " if overlap and repeats > 1 else
-                    "a gap this size is run-to-run noise on this machine. ")
-                 + "On a short run from random initialisation outlier counts drift too little to change the best "
-                 "policy; the paper's gain needs long training.")
-    else:
-        text += (". " + ("The runs' ranges overlap, so the gain is within noise." if overlap and repeats > 1
-                         else "The switches changed the policy mid-run; compare the ratio with the ranges."))
-    return text
+def _loss_budget_text(cfg: dict) -> str:
+    budget, source = cfg.get("loss_budget_bytes"), cfg.get("loss_budget_from") or {}
+    if not budget:
+        return "Adacc's runs use the default budget."
+    if source.get("auto_floor_bytes"):
+        where = (f"a quarter of the way from the smallest budget `--adacc-policy auto` keeps for this config "
+                 f"({source['auto_floor_bytes'] / 2**20:.0f} MiB, as its refusal of a smaller one names it) to the "
+                 f"baseline's peak ({source['baseline_peak_bytes'] / 2**20:.0f} MiB)")
+    else:  # recorded before the floor came from auto's own refusal
+        where = "a quarter of the way from the quantize-all peak to the baseline peak of this config"
+    return (f"Adacc's runs use a budget of {budget / 2**20:.0f} MiB, {where}, so that its policy compresses (under "
+            "a roomy budget it keeps everything and its curve is the baseline's).")
+
+
+def _fig7_setup(cfg: dict) -> str:
+    if not cfg.get("fig7_steps"):  # recorded before Fig. 7 ran on long runs of the loss config
+        return f"`{cfg['throughput_config']}` under the Fig. 5 budget, {cfg['steps'] * 4} steps per run."
+    budget = cfg.get("fig7_budget_bytes")
+    return (f"`{cfg['loss_config']}` on {_CORPUS_TEXT.get(cfg.get('loss_corpus', 'embedded'), 'the corpus')} "
+            f"under {f'{budget / 2**20:.0f} MiB' if budget else 'the Fig. 6 budget'} (chosen as Fig. 6's), "
+            f"{cfg['fig7_steps']} steps per run, evolution tracking iterations 1, 2, 4, "
+            f"... {fig7.CAP} of each run and every {fig7.CAP} after; ratio: evolution on over off.")
 
 
 _CORPUS_TEXT = {"embedded": "the embedded corpus (Python's reference documentation)",

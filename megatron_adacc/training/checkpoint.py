@@ -136,6 +136,21 @@ def _differences(saved: dict[str, Any], ident: dict[str, Any]) -> list[str]:
 _MANIFEST_TYPES = {"iteration": int, "sha256": str, "optimizer": str, "features": list, "model": dict}
 
 
+def saved_iteration(directory: str | os.PathLike) -> int:
+    """The iteration the checkpoint in ``directory`` was written at (rank 0's manifest; nothing is loaded)."""
+    _, manifest_path = paths(directory, 0)
+    try:
+        iteration = json.loads(manifest_path.read_text()).get("iteration")
+    except FileNotFoundError:
+        raise InputNotFound(f"{directory}: no checkpoint manifest {manifest_path.name} there; name a folder "
+                            "`adacc train --save` wrote") from None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{manifest_path}: not a readable manifest ({exc})") from None
+    if not isinstance(iteration, int) or isinstance(iteration, bool):
+        raise CheckpointError(f"{manifest_path}: no iteration in it; name a folder `adacc train --save` wrote")
+    return iteration
+
+
 def _malformed(manifest: dict[str, Any]) -> str | None:
     """The first field of ``manifest`` the checks could not read (a hand-edited or damaged manifest)."""
     for name, kind in _MANIFEST_TYPES.items():

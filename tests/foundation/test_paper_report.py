@@ -58,6 +58,11 @@ def test_report_only_rebuilds_the_report_with_readings_from_the_numbers(tmp_path
     assert "without outlier separation +1.50% (+1.30 points vs Adacc)" in report
     assert "Here: 1.05-1.05x" in report
     assert "a budget of 420 MiB" in report
+    data = _recorded()  # the budget between the smallest one auto keeps (its refusal names it) and the baseline's
+    data["loss_budget_from"] = {"auto_floor_bytes": 400 * 2**20, "baseline_peak_bytes": 480 * 2**20}
+    assert ("a budget of 420 MiB, a quarter of the way from the smallest budget `--adacc-policy auto` keeps for this "
+            "config (400 MiB, as its refusal of a smaller one names it) to the baseline's peak (480 MiB)"
+            in _rebuilt_report(tmp_path, data))
 
 
 def test_loss_differences_are_read_against_the_other_seed_and_a_vacuous_ablation_is_named(tmp_path) -> None:
@@ -99,10 +104,10 @@ def test_fig7_reads_medians_of_alternating_runs_and_a_gap_without_switches_as_no
         "adacc": {"8": {"tokens_per_s": 1000, "tokens_per_s_runs": [950, 1000, 1080], "extensions": no_switch}},
         "adacc_no_evolution": {"8": {"tokens_per_s": 1040, "tokens_per_s_runs": [990, 1040, 1060]}}}
     report = _rebuilt_report(tmp_path, data)
-    assert "| 8 | 1,000 (950-1,080) | 1,040 (990-1,060) | 0.96x |" in report
+    assert "| micro-batch 8 | 1,000 (950-1,080) | 1,040 (990-1,060) | 0.96x | 0 |" in report
     assert "Here: 0.96-0.96x (medians of 3 alternating runs each" in report
     assert "with 0 policy switch(es) over the runs" in report
-    assert "the runs' ranges overlap, as they should" in report
+    assert "the runs' ranges overlap." in report
 
     switched = {"adacc_evolution": {"switches": [{"iteration": 2}]}}
     data["evolution"]["adacc"]["8"].update(tokens_per_s=1300, tokens_per_s_runs=[1250, 1300, 1320],
@@ -138,22 +143,75 @@ def test_adacc_loss_is_read_one_sided_against_the_paper_and_against_the_spread(t
     assert "(more than the paper's 0.5% worse; above one seed-to-seed difference: a hint, not an ordering)" in report
 
 
-def test_fig7_alternates_evolution_on_and_off_and_keeps_the_median_run() -> None:
-    calls, speeds = [], {"adacc": iter([900, 1200, 1000]), "adacc_no_evolution": iter([1100, 1050, 0])}
+def test_fig7_alternates_evolution_on_and_off_per_start_and_keeps_the_median_run(tmp_path) -> None:
+    from megatron_adacc.bench import evolution as fig7
+    from megatron_adacc.core.log import Steps
+    from megatron_adacc.training import checkpoint
 
-    def point(flags, mb, budget, memory=True):  # noqa: ANN001 - the bench's point() signature
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "rank00000.json").write_text(json.dumps({"iteration": 3000}))
+    calls = []
+    speeds = {"adacc": iter([900, 1200, 1000, 5, 5, 5]), "adacc_no_evolution": iter([1100, 1050, 0, 5, 5, 5])}
+
+    def train(flags, memory_run=True):  # noqa: ANN001 - train_method's signature
         name = "adacc_no_evolution" if "--adacc-no-evolution" in flags else "adacc"
-        calls.append((name, mb, memory))
+        calls.append((name, flags[flags.index("--train-iters") + 1], "--load" in flags, memory_run))
         tps = next(speeds[name])
-        return {"tokens_per_s": tps, "run": len(calls), "losses": [1.0]} if tps else {"error": "killed"}
+        if not tps:
+            raise RuntimeError("killed\nby the test")
+        return {"tokens_per_s": tps, "run": len(calls), "losses": [1.0]}
 
-    evolution = paper._fig7([8], steps=6, budget=100, point=point, repeats=3)
-    assert calls == [("adacc", 8, False), ("adacc_no_evolution", 8, False)] * 3
-    on, off = evolution["adacc"][8], evolution["adacc_no_evolution"][8]
+    evolution = fig7.run(["--config", "tiny"], {"fresh": None, "continued": ckpt}, budget=100, steps=40, repeats=3,
+                         step=Steps(None, "test"), train=train)
+    assert calls == ([("adacc", "40", False, False), ("adacc_no_evolution", "40", False, False)] * 3
+                     + [("adacc", "3040", True, False), ("adacc_no_evolution", "3040", True, False)] * 3)
+    on, off = evolution["adacc"]["fresh"], evolution["adacc_no_evolution"]["fresh"]
     assert (on["tokens_per_s"], on["tokens_per_s_runs"], on["run"]) == (1000, [900, 1200, 1000], 5)
-    assert "losses" not in on
+    assert "losses" not in on and on["first_iteration"] == 1
+    assert evolution["adacc"]["continued"]["first_iteration"] == 3001
     # a failed run is left out of the median, not counted as zero throughput
     assert (off["tokens_per_s"], off["tokens_per_s_runs"]) == (1075, [1100, 1050])
+    assert checkpoint.saved_iteration(ckpt) == 3000
+
+
+def test_a_switch_is_reported_with_its_predicted_and_measured_gain_and_no_switch_with_its_margin(tmp_path) -> None:
+    """Measured: the run's median step before and after the switch, tracking iterations and the warm-up step left
+    out (they pay for the probe); predicted: the cost model's overhead before and after. Without a switch the
+    reading says how close the re-solves came to one."""
+    from megatron_adacc.bench import evolution as fig7
+
+    steps = [9.0, 5.0, 1.0, 5.0, 0.6, 0.6, 5.0, 0.6, 0.7, 0.5]  # iterations 3001..3010; tracking: 3002, 3004, 3007
+    report = {"tracking_iterations": [3002, 3004, 3007], "tracks": [[3002, 0.1, 0.1, True], [3004, 0.1, 0.05, False],
+                                                                    [3007, 0.05, 0.05, True]],
+              "switches": [{"iteration": 3004, "reason": "predicted faster", "time_s": 0.05, "from_time_s": 0.1}]}
+    run = {"tokens_per_s": 1200, "first_iteration": 3001, "step_times_s": steps,
+           "extensions": {fig7.EXTENSION: report}}
+    [sw] = fig7.switches(run)
+    assert (sw["step_before_s"], sw["step_after_s"]) == (1.0, 0.6)
+    evolution = {"adacc": {"continued": run}, "adacc_no_evolution": {"continued": {"tokens_per_s": 1000}}}
+    lines = "\n".join(fig7.table(evolution))
+    assert "| continued (from iteration 3001) | 1,200 | 1,000 | 1.20x | 1 |" in lines
+    assert "| continued | 3004 | predicted faster | 100.0 -> 50.0 ms | 1000 -> 600 ms |" in lines
+
+    report["switches"] = []
+    report["tracks"][1][2] = 0.0995
+    text = fig7.reading(evolution, repeats=1)
+    assert "with 0 policy switch(es)" in text
+    assert ("continued (from iteration 3001): at 2 of 3 tracking iterations the re-solve from the sampled "
+            "statistics found the running policy again; the other re-solves were predicted +0.5% faster at most "
+            "(a switch needs 2%).") in text
+
+
+def test_every_listed_benchmark_runs_as_one(capsys) -> None:
+    """`adacc bench outliers` was listed and ended in a traceback: a helper module is no benchmark."""
+    import importlib
+
+    from megatron_adacc.bench import harness
+
+    for name in harness.available_benchmarks():
+        module = importlib.import_module(f"megatron_adacc.bench.{name}")
+        assert callable(getattr(module, "add_arguments", None)) and callable(getattr(module, "run", None)), name
 
 
 def test_fig4_draws_and_tabulates_the_outlier_counts_the_evolution_runs_recorded(tmp_path) -> None:
@@ -173,11 +231,11 @@ def test_fig4_draws_and_tabulates_the_outlier_counts_the_evolution_runs_recorded
     data["evolution"]["adacc"]["8"]["extensions"] = {"adacc_evolution": {"switches": [],
                                                                          "outlier_channels": series}}
     report = _rebuilt_report(tmp_path, data)
-    assert "## Fig. 4 — outlier channels during training" in report and "at micro-batch 8" in report
-    assert "| op | channels | profiled | iteration 1 | iteration 8 |" in report
+    assert "## Fig. 4 — outlier channels during training" in report
+    assert "| micro-batch 8: op | channels | profiled | iteration 1 | iteration 8 |" in report
     assert "| linear_fc1 | 1024 | 30 | 31.5 | 8 |" in report
     assert "| mlp_bda | 256 | - | 2 | 3 |" in report
-    assert "1 of 2 ops fell and 1 rose" in report
+    assert "micro-batch 8: from iteration 1 to 8, 1 of 2 ops fell and 1 rose." in report
     assert "![Fig. 4](paper_outliers.png)" in report and (tmp_path / "paper_outliers.png").stat().st_size > 0
 
     fig, ax = plt.subplots()  # the plotted lines are the series (a missing sample is skipped, not zero)

@@ -68,6 +68,11 @@ class StatsSource(Protocol):
 TIME_CHANGE = 1.5
 
 
+#: A re-solved policy replaces the running one when it is predicted faster by at least this fraction: the cost
+#: model's own error is a few percent, and a switch re-installs every layer's policy.
+MIN_GAIN = 0.02
+
+
 def _retimed(profiled: float, measured: float | None) -> float:
     if measured is None or (profiled > 0 and 1 / TIME_CHANGE <= measured / profiled <= TIME_CHANGE):
         return profiled
@@ -116,6 +121,8 @@ class TrackRecord:
     candidate_memory_bytes: float | None
     switched: bool
     reason: str
+    same_policy: bool = False
+    """The re-solve found the policy already running."""
 
 
 @dataclass
@@ -175,7 +182,7 @@ class PolicyEvolution(TrainingExtension):
     source: StatsSource | None = None
     apply: Callable[[Policy], None] | None = None
     cap: int = 1024
-    min_gain: float = 0.02
+    min_gain: float = MIN_GAIN
     log: Callable[[str], None] = _default_log
     name: str = "adacc_evolution"
     state_optional = True  # evolution starts from the run's own profile and policy
@@ -239,8 +246,12 @@ class PolicyEvolution(TrainingExtension):
 
     def report(self) -> dict[str, Any]:
         return {"tracking_iterations": [r.iteration for r in self.tracks],
+                # how close each tracking iteration came to a switch: the running policy's predicted overhead, the
+                # re-solved one's, and whether the re-solve found the running policy again
+                "tracks": [[r.iteration, r.current_time_s, r.candidate_time_s, r.same_policy] for r in self.tracks],
                 "switches": [{"iteration": r.iteration, "reason": r.reason, "time_s": r.candidate_time_s,
-                              "memory_bytes": r.candidate_memory_bytes} for r in self.switches],
+                              "memory_bytes": r.candidate_memory_bytes, "from_time_s": r.current_time_s,
+                              "from_memory_bytes": r.current_memory_bytes} for r in self.switches],
                 "outlier_channels": self.outliers.to_json()}
 
     # ----------------------------------------------------------------------------------- one track
@@ -271,16 +282,18 @@ class PolicyEvolution(TrainingExtension):
             reason = f"no policy fits any more ({e}); keeping the current one"
         cand = evaluate_policy(self.profile, candidate, chain_aware=chain) if candidate is not None else None
         fits = current["memory_bytes"] <= self.budget_bytes
+        same = candidate is not None and candidate.same_decisions(self.policy)
         switched = False
         if cand is not None:
             if not fits:
                 switched, reason = True, "current policy no longer fits the budget"
-            elif cand["time_s"] < current["time_s"] * (1 - self.min_gain) and not candidate.same_decisions(self.policy):
+            elif cand["time_s"] < current["time_s"] * (1 - self.min_gain) and not same:
                 switched, reason = True, "predicted faster"
             else:
                 reason = "kept (no predicted gain)"
         record = TrackRecord(iteration, measured, current["time_s"], current["memory_bytes"],
-                             cand["time_s"] if cand else None, cand["memory_bytes"] if cand else None, switched, reason)
+                             cand["time_s"] if cand else None, cand["memory_bytes"] if cand else None, switched, reason,
+                             same_policy=same)
         self.tracks.append(record)
         if switched:
             assert candidate is not None and cand is not None
