@@ -91,9 +91,9 @@ def main() -> None:
                 result = {"spec": spec, "error": f"{type(exc).__name__}: {exc}"}
             if torch.distributed.get_rank() == 0:
                 print("RESULT " + json.dumps(result), flush=True)
-    from megatron_adacc.training.distributed import shutdown
+    from megatron_adacc.testing import exit_torchrun_worker
 
-    shutdown()
+    exit_torchrun_worker()
 
 
 if __name__ == "__main__":

@@ -51,4 +51,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_adacc.testing import exit_torchrun_worker
+
     main()
+    exit_torchrun_worker()

@@ -7,6 +7,7 @@ import sys
 import torch
 
 from megatron_adacc.compat import quiet_fallback_warnings
+from megatron_adacc.testing import exit_torchrun_worker
 from megatron_adacc.training.args import parse_train_args
 from megatron_adacc.training.loop import train
 
@@ -20,3 +21,4 @@ if torch.distributed.get_rank() == 0:
     adacc = summary["extensions"].get("adacc", {})
     print("RESULT " + json.dumps({"losses": summary["losses"], "identical": identical,
                                   "world": summary["world_size"], "max_rel_error": adacc.get("max_rel_error")}))
+exit_torchrun_worker()
