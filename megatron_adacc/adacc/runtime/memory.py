@@ -37,8 +37,17 @@ from megatron_adacc.adacc.runtime.checkpoint import (
     compress_tensor,
     never_unpacked,
     rng_state_nbytes,
+    small_tensor_numel,
 )
-from megatron_adacc.adacc.runtime.ops import DATAFLOWS, LAYER_INPUTS, dataflow, initial_env, layer_ops, segment_inputs
+from megatron_adacc.adacc.runtime.ops import (
+    DATAFLOWS,
+    LAYER_INPUTS,
+    dataflow,
+    initial_env,
+    layer_ops,
+    segment_inputs,
+    watching_repeats,
+)
 from megatron_adacc.core.saved import storage_ptr, tensor_key, unique_storage_bytes
 from megatron_adacc.models import UNFUSED
 
@@ -125,12 +134,19 @@ class _SavedRecorder:
         self.consumed: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in OP_NAMES}
         self.counts = {name: 0 for name in OP_NAMES}
         self.current = ""
+        self.repeats: dict[int, torch.Tensor] = {}  # the running op's grouped-query repeats -> their source
+
+    def note_repeat(self, source: torch.Tensor, repeated: torch.Tensor, groups: int) -> None:
+        self.repeats[storage_ptr(repeated)] = source
 
     def pack(self, t: torch.Tensor) -> None:
         """Record ``t``, and give autograd nothing to keep: this graph is never backpropagated, and a tensor
         a node keeps (say softmax's output, kept by its own node) would hold that node alive, a cycle through
         C++ that Python's collector cannot see."""
         ptr = storage_ptr(t)
+        source = self.repeats.get(ptr)
+        if source is not None and storage_ptr(source) in self.producer:  # the runtime stores the source instead
+            t, ptr = source, storage_ptr(source)
         if ptr in self.params or ptr in self.external or isinstance(t, torch.nn.Parameter):
             return None
         owner, name = self.producer.get(ptr, (self.current, None))
@@ -181,13 +197,16 @@ def profile_layer_sizes(
             rng_bytes = rng_state_nbytes(_capture_rng())
             for op in ops:
                 recorder.current = op.name
-                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, never_unpacked):
+                with (torch.autograd.graph.saved_tensors_hooks(recorder.pack, never_unpacked),
+                      watching_repeats(recorder.note_repeat)):
                     outputs = op.run(env)
+                recorder.repeats.clear()
                 sizes[op.name].grad_bytes = _grad_bytes([env[n] for n in op.inputs] + list(outputs.values()))
                 env.update(outputs)
                 recorder.produced(op.name, outputs)
+        small = small_tensor_numel(layer, hidden_states)
         for op in ops:
-            _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name])
+            _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name], small)
     finally:
         recorder.release()
         env.clear()
@@ -196,7 +215,7 @@ def profile_layer_sizes(
 
 
 def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecorder,
-              codecs: set[CodecKey]) -> None:
+              codecs: set[CodecKey], small_numel: int) -> None:
     """Fill one op's sizes from what its forward saved and produced."""
     name = op.name
     tensors = recorder.saved[name]
@@ -209,7 +228,7 @@ def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecor
             and not isinstance(env[o], torch.nn.Parameter)]
     s.output_bytes = unique_storage_bytes(outs)
     for key in codecs:
-        s.compressed_bytes[key] = _packed_bytes(tensors.values(), name, key)
+        s.compressed_bytes[key] = _packed_bytes(tensors.values(), name, key, small_numel)
     for out_name in op.outputs:
         value = env[out_name]
         if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
@@ -217,7 +236,7 @@ def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecor
         ptr = storage_ptr(value)
         s.stash_keep_bytes[out_name] = 0 if ptr in saved_ptrs else value.untyped_storage().nbytes()
         s.stash_compressed_bytes[out_name] = {
-            key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key)
+            key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key, small_numel)
             for key in codecs
         }
 
@@ -244,14 +263,14 @@ def _grad_bytes(values: Iterable[Any]) -> int:
                                 and not isinstance(v, torch.nn.Parameter))
 
 
-def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey) -> int:
+def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey, small_numel: int) -> int:
     """Bytes the runtime holds when op ``op`` compresses ``entries`` ((tensor, is an op output) pairs) with
-    codec ``key``: the same per-tensor routing as the runtime (:func:`compress_tensor`)."""
+    codec ``key``: the same per-tensor routing as the runtime (:func:`compress_tensor`, small tensors kept)."""
     decision = Decision(Action.COMPRESS, key[0], dict(key[1]))
     total = 0
     kept: list[torch.Tensor] = []
     for t, is_output in entries:
-        result = compress_tensor(t.detach(), op, is_output, decision)
+        result = compress_tensor(t.detach(), op, is_output, decision, small_numel)
         if result is None:
             kept.append(t)
         else:

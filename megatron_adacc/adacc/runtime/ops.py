@@ -65,7 +65,8 @@ in place inside ``softmax``; re-running ``softmax`` on an already masked tensor 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -164,9 +165,43 @@ def _linear_qkv(layer, ln1, rotary_pos_emb):
     return {"query": query, "key": key, "value": value}
 
 
+_REPEAT_WATCHERS: list[Callable[[torch.Tensor, torch.Tensor, int], None]] = []
+
+
+@contextlib.contextmanager
+def watching_repeats(watcher: Callable[[torch.Tensor, torch.Tensor, int], None]) -> Iterator[None]:
+    """Call ``watcher(source, repeated, groups)`` for each grouped-query repeat the unfused attention makes of K
+    or V while the block runs. Megatron's ``DotProductAttention`` repeats them for its matmuls, which save the
+    repeated copies; those are the source, stored once: :func:`repeat_kv` rebuilds a copy from it."""
+    _REPEAT_WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _REPEAT_WATCHERS.remove(watcher)
+
+
+def repeat_kv(source: torch.Tensor, groups: int) -> torch.Tensor:
+    """K or V ``[s, b, groups of heads, head dim]`` repeated for each query head of a group, as Megatron does."""
+    return source.repeat_interleave(groups, dim=2)
+
+
+def repeats_kv(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s attention repeats K and V for grouped-query attention (the unfused one does; the SDPA
+    kernel reads them un-repeated). Its decomposition then holds less than megatron's own forward even with every
+    op kept (each repeat is stored as its source), so such a layer never runs the stock forward under a policy."""
+    core = layer.self_attention.core_attention
+    return (dataflow(layer).kind == UNFUSED
+            and core.num_attention_heads_per_partition != core.num_query_groups_per_partition)
+
+
 def _gqa_repeat(core, tensor):
     groups = core.num_attention_heads_per_partition // core.num_query_groups_per_partition
-    return tensor.repeat_interleave(groups, dim=2) if groups > 1 else tensor
+    if groups == 1:
+        return tensor
+    repeated = repeat_kv(tensor, groups)
+    for watcher in _REPEAT_WATCHERS:
+        watcher(tensor, repeated, groups)
+    return repeated
 
 
 def _scores(layer, query, key):
