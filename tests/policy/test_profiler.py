@@ -39,9 +39,10 @@ def test_profile_measures_every_op(env) -> None:
     _, _, profile = env
     assert [op.name for op in profile.ops] == list(OP_NAMES)
     assert profile.source == "measured" and profile.device.startswith("cpu:")
-    assert profile.ops[0].saved_bytes > 0 and profile.ops[3].saved_bytes > 0  # layernorm, softmax outputs
+    # the layer input, the layernorm's and softmax's outputs
+    assert min(profile.op(name).saved_bytes for name in ("layer_input", "input_layernorm", "softmax")) > 0
     assert all(op.forward_time_s > 0 for op in profile.ops)
-    assert len(profile.segment_times_s) == 12 * 13 // 2  # every segment a..b with 1 <= a <= b <= 12
+    assert len(profile.segment_times_s) == 13 * 14 // 2  # every segment a..b with 1 <= a <= b <= 13
     assert all(t > 0 for t in profile.segment_times_s.values())
     outlier = profile.op("input_layernorm").codecs["int4_outlier"]
     assert 0 < outlier.compressed_bytes < profile.op("input_layernorm").saved_bytes
@@ -116,7 +117,7 @@ def test_predicted_layer_bytes_match_the_runtime(env) -> None:
             uninstall()
     predicted = policy.predicted["per_layer"]
     for i in range(2):
-        want = predicted[i]["activation_bytes"] + profile.layer_fixed_bytes
+        want = predicted[i]["activation_bytes"]
         assert measured[i] == pytest.approx(want, rel=0.05), (i, measured[i], want)
 
 

@@ -24,7 +24,9 @@ decision of that op then applies:
   re-runs the segment from those inputs under the saved RNG states, so dropout masks are replayed exactly,
   and resolves every live token of the segment at once.
 
-Parameters and the layer's inputs (hidden states, attention mask, rotary embedding) are never touched.
+Parameters and the inputs every layer shares (attention mask, rotary embedding) are never touched. The hidden
+states the layer receives are the output of its first op, ``layer_input``, the layer's checkpoint: kept, or
+compressed once however many nodes save them (the first norm and, when it is recomputed, its segment's input).
 
 Memory: everything stored is owned by autograd's saved variables (through the tokens), so it is freed as
 backward consumes it. A segment and its stored inputs die with its last token. During the forward, op
@@ -50,6 +52,7 @@ from megatron_adacc.adacc.runtime.capacity import CAPACITIES
 from megatron_adacc.adacc.runtime.ops import (
     LAYER_INPUTS,
     PRODUCER,
+    SHARED_INPUTS,
     RNG_OPS,
     LayerOp,
     dataflow,
@@ -407,6 +410,8 @@ class LayerMemory:
 
     layer: int
     input_bytes: int = 0
+    """The layer's input, filed apart only by a layer that runs megatron's own forward (:attr:`stock_bytes`);
+    the runtime files it under op ``layer_input`` (kept or compressed)."""
     per_op: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OP_NAMES})
     stash_bytes: int = 0
     rng_bytes: int = 0
@@ -528,7 +533,7 @@ class _Frame(SavedTensorStore):
 
     def stash_value(self, name: str, value: Any) -> _StashEntry:
         """Store a segment input the way its producer's decision says."""
-        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or name in LAYER_INPUTS:
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or name in SHARED_INPUTS:
             return _StashEntry(value, bool(getattr(value, "requires_grad", False)))
         op = self.flow.producer[name]
         return _StashEntry(self.store(value, op, name, -1, False), value.requires_grad)
@@ -603,8 +608,12 @@ def checkpointed_layer_forward(
     if not torch.is_grad_enabled():
         return run_ops(ops, env)["output"]
 
+    stuck = [op.name for op in ops if decisions[op.name].action == Action.RECOMPUTE
+             and not OPS_BY_NAME[op.name].recomputable]
+    if stuck:
+        raise ValueError(f"op {stuck[0]!r} is the layer's checkpoint: keep or compress it, never recompute it")
     frame = _Frame(layer, decisions, ops, small_tensor_numel(layer, hidden_states))
-    for value in (hidden_states, attention_mask, *_flatten(rotary_pos_emb)):
+    for value in (attention_mask, *_flatten(rotary_pos_emb)):
         if isinstance(value, torch.Tensor):
             frame.external.add(storage_ptr(value))
 
@@ -635,7 +644,7 @@ def checkpointed_layer_forward(
         trace.enter_forward(None, None)
 
     if accounting.is_enabled():
-        accounting.record(_measure(frame, hidden_states, layer_index))
+        accounting.record(_measure(frame, layer_index))
     return output
 
 
@@ -711,13 +720,12 @@ def _flatten(value: Any) -> list:
     return [value]
 
 
-def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None) -> LayerMemory:
+def _measure(frame: _Frame, layer_index: int | None) -> LayerMemory:
     """What stays held for backward: kept storages and packed payloads referenced by saved variables, and
     the stored inputs and RNG states of the segments that still have tokens (their own, or a later
     segment's stored input)."""
     mem = LayerMemory(layer=-1 if layer_index is None else layer_index)
-    mem.input_bytes = hidden_states.untyped_storage().nbytes()
-    seen: set[int] = {storage_ptr(hidden_states)}
+    seen: set[int] = set()
     for ptr, kept in frame.storages.items():
         if ptr not in seen:
             seen.add(ptr)
@@ -746,5 +754,5 @@ def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None
                     mem.stash_bytes += unique_storage_bytes([value], seen)
         if seg.rng is not None:
             mem.rng_bytes += rng_state_nbytes(seg.rng)
-    mem.shared = {ptr: n for ptr, n in frame.shared.items() if ptr != storage_ptr(hidden_states)}
+    mem.shared = dict(frame.shared)
     return mem

@@ -12,7 +12,7 @@ per op output, what storing it as a *segment input* would add (nothing when the 
 * each recompute segment that still has tokens after forward (its ops saved something, or a later live
   segment reads one of its outputs) holds its inputs (when not already saved) and, when it contains an op that
   draws random numbers (a dropout; with SDPA attention, ``context``), one copy of Megatron's RNG states;
-* the layer input is always held (it is the layer's checkpoint).
+* the layer input is op ``layer_input``'s output, held as that op decides (it is the layer's checkpoint).
 
 So the prediction and the runtime's measurement agree exactly on the batch that was profiled; on other batches
 they differ only by data-dependent codec sizes (outlier channels: the runtime stores up to a capacity learned
@@ -41,7 +41,7 @@ from megatron_adacc.adacc.runtime.checkpoint import (
 )
 from megatron_adacc.adacc.runtime.ops import (
     DATAFLOWS,
-    LAYER_INPUTS,
+    SHARED_INPUTS,
     dataflow,
     initial_env,
     layer_ops,
@@ -97,6 +97,7 @@ class LayerSizes:
 
     ops: dict[str, OpSizes]
     input_bytes: int
+    """The layer input's storage (op ``layer_input`` files what of it is saved)."""
     rng_bytes: int
     """Bytes of one captured set of RNG states (default generator, "CUDA" state, tracker states)."""
     kind: str = UNFUSED
@@ -188,7 +189,7 @@ def profile_layer_sizes(
     codecs = {name: set(codecs.get(name, ())) if codecs else set() for name in OP_NAMES}
     ops = layer_ops(layer)
     inputs = hidden_states.detach().requires_grad_(hidden_states.requires_grad)
-    external = {storage_ptr(t) for t in (inputs, attention_mask, *_flat(rotary_pos_emb)) if isinstance(t, torch.Tensor)}
+    external = {storage_ptr(t) for t in (attention_mask, *_flat(rotary_pos_emb)) if isinstance(t, torch.Tensor)}
     recorder = _SavedRecorder({storage_ptr(p) for p in layer.parameters()}, external)
     env = initial_env(inputs, attention_mask, rotary_pos_emb)
     sizes = {name: OpSizes() for name in OP_NAMES}
@@ -286,7 +287,7 @@ def _flat(value: Any) -> list:
 
 def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer: int = -1) -> LayerMemory:
     """The bytes a layer run under ``decisions`` holds for backward, from its profiled ``sizes``."""
-    mem = LayerMemory(layer=layer, input_bytes=sizes.input_bytes)
+    mem = LayerMemory(layer=layer)
     for name in OP_NAMES:
         d = decisions[name]
         s = sizes.ops[name]
@@ -310,7 +311,7 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
     for i in sorted(live):
         seg = segs[i]
         for value in segment_inputs(seg, sizes.kind):
-            if value in LAYER_INPUTS or value not in producers:
+            if value in SHARED_INPUTS or value not in producers:
                 continue
             producer = producers[value]
             d = decisions[producer]
