@@ -272,9 +272,11 @@ def test_the_default_cuda_budget_leaves_room_for_what_allocated_bytes_do_not_cou
 
 @pytest.mark.parametrize("flags", [["--swiglu"], ["--normalization", "RMSNorm"], ["--position-embedding-type", "rope"],
                                    ["--group-query-attention", "--num-query-groups", "2"],
-                                   ["--attention-backend", "flash", "--attention-dropout", "0"]])
+                                   ["--attention-backend", "flash", "--attention-dropout", "0"],
+                                   ["--vocab-size", "1000"], ["--untie-embeddings-and-output-weights"]])
 def test_a_profile_is_not_reused_for_a_model_with_another_layer(env, monkeypatch, flags) -> None:
-    """Same widths, other ops or other saved tensors: `adacc train`'s flags for them profile anew."""
+    """Same widths, other ops or other saved tensors, or another vocabulary or output layer (other logits and
+    static memory): `adacc train`'s flags for them profile anew."""
     from megatron_adacc.adacc.integration import auto
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
