@@ -15,6 +15,7 @@ import torch
 
 from megatron_adacc.training.corpus import VOCAB_SIZE, corpus_text, token_vocab
 
+
 def token_ids(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Ids of byte ``windows`` ``[b, n]``: the bytes themselves at the byte vocabulary; at a larger one, ``n - 1``
     ids, each a byte and the one before it, folded into ``vocab_size`` (the first byte only gives context)."""

@@ -1,4 +1,4 @@
-"""The 13-op decomposition reproduces megatron-core's TransformerLayer forward and backward bit for bit."""
+"""The 14-op decomposition reproduces megatron-core's TransformerLayer forward and backward bit for bit."""
 
 import pytest
 import torch

@@ -4,10 +4,11 @@ and the embedding of one batch of text (:class:`~megatron_adacc.adacc.integratio
 Built here, with megatron-core directly, because both hosts (``adacc train`` and Megatron-LM) reach the profiler
 through the same feature entry and neither can hand it their model or data at that point. The model is what
 ``adacc train`` builds (local layer spec with the core attention of ``--attention-backend``, or Megatron-LM's
-``--spec``; the arguments' vocabulary, else the bytes', and embeddings tied unless they say untied) with one layer, and the batch is the first one ``adacc train``'s
-sampler draws from its default corpus, Python's reference documentation, which every CPython install has: the
-same weights and activations, so the same profile. ``tests/policy/test_profiler.py``
-checks the two stay equal. Other corpora (``--corpus``) do not change the sample: a stored profile is keyed by
+``--spec``; the arguments' vocabulary, else the bytes', and embeddings tied unless they say untied) with one
+layer, and the batch is the first one ``adacc train``'s sampler draws from its default corpus, Python's reference
+documentation, which every CPython install has: the same weights and activations, so the same profile (as bytes:
+at a larger vocabulary the ids differ, the layer's sizes do not). ``tests/policy/test_profiler.py`` checks the two
+stay equal. Other corpora (``--corpus``) do not change the sample: a stored profile is keyed by
 the model signature alone, and is reused whatever text a later run trains on.
 """
 

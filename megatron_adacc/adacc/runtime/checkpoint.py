@@ -2,7 +2,7 @@
 
 How it works
 ------------
-The layer runs as its 13 ops (:mod:`megatron_adacc.adacc.runtime.ops`), each under ``saved_tensors_hooks``. Every
+The layer runs as its 14 ops (:mod:`megatron_adacc.adacc.runtime.ops`), each under ``saved_tensors_hooks``. Every
 tensor autograd saves is attributed to the op that *produced its storage* (so ``linear_qkv``'s input, which
 is ``input_layernorm``'s output, belongs to ``input_layernorm``); a tensor no op produced (a layernorm's
 mean, a dropout mask) belongs to the op that is running, but for the unfused attention's grouped-query repeats
@@ -52,8 +52,8 @@ from megatron_adacc.adacc.runtime.capacity import CAPACITIES
 from megatron_adacc.adacc.runtime.ops import (
     LAYER_INPUTS,
     PRODUCER,
-    SHARED_INPUTS,
     RNG_OPS,
+    SHARED_INPUTS,
     LayerOp,
     dataflow,
     initial_env,
@@ -591,7 +591,7 @@ def checkpointed_layer_forward(
 
     Args:
         layer: the transformer layer.
-        decisions: ``{op name: Decision}`` for the 13 ops of :data:`megatron_adacc.adacc.policy.ops.OP_NAMES`
+        decisions: ``{op name: Decision}`` for the 14 ops of :data:`megatron_adacc.adacc.policy.ops.OP_NAMES`
             (e.g. ``policy.layer_decisions(i)``); a ``Decision`` has ``action`` in keep / compress / recompute,
             and ``codec`` / ``codec_params`` for compress.
         hidden_states, attention_mask, rotary_pos_emb: the layer's inputs, as ``TransformerLayer.forward``.
