@@ -54,6 +54,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Core attention of the local layer: flash / fused: PyTorch's fused SDPA kernels (no s x s "
                         "tensors); auto (default), local, unfused: megatron-core's DotProductAttention.")
     g.add_argument("--ffn-hidden-size", type=int, help="Default: 4 x hidden size.")
+    g.add_argument("--vocab-size", type=int,
+                   help="Vocabulary before padding (as with Megatron-LM's NullTokenizer), at least 256: the text "
+                        "becomes ids over this many (each byte with the one before it, folded in), for the "
+                        "embedding, output layer and logits of a real tokenizer's size. Default: the 256 bytes.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="Pad --vocab-size to a multiple of this (default 128, Megatron-LM's).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                   help="An output layer of its own instead of the input embedding's weights (Llama's).")
     g.add_argument("--seq-length", type=int, help="Tokens per sample.")
     g.add_argument("--hidden-dropout", type=float, help="Dropout after attention and MLP.")
     g.add_argument("--attention-dropout", type=float, help="Dropout on attention probabilities.")

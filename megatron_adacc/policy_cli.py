@@ -259,7 +259,7 @@ def render_profile(profile: LayerProfile) -> str:
     signature = ", ".join(f"{k}={v}" for k, v in profile.signature.items())
     head = "\n".join(textwrap.wrap(
         f"profile of {profile.device} ({profile.source}); {signature}. Static {_fmt_bytes(profile.static_bytes)}, "
-        f"workspace {_fmt_bytes(profile.workspace_bytes)}, per-layer input {_fmt_bytes(profile.layer_fixed_bytes)}. "
+        f"workspace {_fmt_bytes(profile.workspace_bytes)}. "
         f"Times below are micro-benchmarks; in the runtime the cost model scales codec times by "
         f"{profile.codec_time_scale:.2f} and recompute times by {profile.recompute_time_scale:.2f}, and charges "
         f"{_fmt_ms(profile.runtime_overhead_s)} per layer that does not keep everything (the runtime's own cost).",

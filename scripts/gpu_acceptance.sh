@@ -3,9 +3,11 @@
 #   1. build the extension with its CUDA kernels (for this GPU's architecture) and check it loads them;
 #   2. the codec tests with the kernel exactness tests on CUDA (ADACC_TEST_DEVICE=cuda: every kernel on the GPU
 #      equals the pure-torch reference bit for bit) and the runtime exactness tests;
-#   3. adacc bench codecs (CPU and CUDA; float32, float16, bfloat16);
-#   4. adacc bench budget --quick;
-#   5. the Megatron-LM smoke run (scripts/megatron_lm_smoke.sh; needs a patched Megatron-LM in MEGATRON_DIR,
+#   3. Adacc on the SDPA attention with attention dropout, which only a GPU kernel takes (scripts/gpu_sdpa_check.py:
+#      exact against stock and Megatron's full recompute, at or below its bytes; float32 and bf16);
+#   4. adacc bench codecs (CPU and CUDA; float32, float16, bfloat16);
+#   5. adacc bench budget --quick;
+#   6. the Megatron-LM smoke run (scripts/megatron_lm_smoke.sh; needs a patched Megatron-LM in MEGATRON_DIR,
 #      which the Docker image has).
 # Every step runs even when one before it failed; each writes its log, and summary.txt lists them all, under
 # benchmarks/gpu/<UTC date>-<GPU name>/. Exit status: 0 when every step passed, 1 otherwise, 2 without a GPU.
@@ -80,6 +82,8 @@ step codec-tests env ADACC_TEST_DEVICE=cuda "$python" -m pytest tests/codecs -q 
   --junitxml="$out/codec-tests.xml"
 step exact-tests "$python" -m pytest tests/runtime/test_exact.py -q -p no:cacheprovider \
   --junitxml="$out/exact-tests.xml"
+step sdpa-check "$python" scripts/gpu_sdpa_check.py --device cuda
+step sdpa-check-bf16 "$python" scripts/gpu_sdpa_check.py --device cuda --bf16
 for dtype in float32 float16 bfloat16; do
   step "bench-codecs-$dtype" "$python" -m megatron_adacc.cli bench codecs --dtype "$dtype" \
     --output-dir "$out/codecs-$dtype"

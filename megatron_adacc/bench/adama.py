@@ -277,7 +277,7 @@ def _child(payload_path: str) -> None:
     from megatron_adacc.training import distributed
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
-    from megatron_adacc.training.data import BatchSampler
+    from megatron_adacc.training.data import sampler_for
 
     quiet_fallback_warnings()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -287,7 +287,7 @@ def _child(payload_path: str) -> None:
     config = model_lib.transformer_config(args, torch.device("cpu"))
 
     def batches_for(n: int, steps: int) -> list:
-        sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed)
+        sampler = sampler_for(args)
         return [[next(sampler) for _ in range(n)] for _ in range(steps)]
 
     if payload["mode"] == "memory":

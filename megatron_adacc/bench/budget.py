@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_adacc.bench import harness
-from megatron_adacc.bench.common import interleaved_step_times, train_method
+from megatron_adacc.bench.common import add_attention_argument, attention_flags, interleaved_step_times, train_method
 from megatron_adacc.core.log import Steps, echo
 from megatron_adacc.core.tables import format_table
 
@@ -41,6 +41,7 @@ def add_arguments(parser) -> None:
                              "is reported (default 3; 1 with --quick).")
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="Override the config's micro-batch (and global batch) size.")
+    add_attention_argument(parser)
 
 
 def megatron_configs(num_layers: int, quick: bool) -> dict[str, list[str]]:
@@ -105,7 +106,7 @@ def run(args) -> dict:
     iters = args.train_iters or (4 if quick else 6)
     n_budgets = max(args.budgets, 2 if quick else 5)
     repeats = max(1, args.repeats or (1 if quick else 3))
-    base = ["--config", config_name, "--train-iters", str(iters)]
+    base = ["--config", config_name, "--train-iters", str(iters), *attention_flags(args)]
     if quick:
         base += ["--global-batch-size", "8", "--micro-batch-size", "8"]
     if args.micro_batch_size:
@@ -185,11 +186,15 @@ def run(args) -> dict:
                             title=f"budget {budget / 2**20:.1f} MiB (model budget {model_budget / 2**20:.1f} MiB)")
 
     step.close()
-    config = {"config": config_name, "train_iters": iters, "quick": quick, "flags": base, "headroom": options.headroom,
+    config = {"config": config_name, "attention": getattr(args, "attention", "config"), "train_iters": iters,
+              "quick": quick, "flags": base,
+              "headroom": options.headroom,
               "repeats": repeats,
               "model_offset_bytes": int(offset), "profile": ref}
-    harness.write_results("budget", config, measured, extra={"budgets": entries}, args=args)
-    _plot(entries, harness.results_dir(args) / "budget.png", config_name)
+    # one file per config: the default config's is budget.json, another's budget-NAME.json beside it
+    name = "budget" if args.config is None else f"budget-{Path(config_name).stem}"
+    harness.write_results(name, config, measured, extra={"budgets": entries}, args=args)
+    _plot(entries, harness.results_dir(args) / f"{name}.png", config_name)
     return {"budgets": entries, "methods": measured}
 
 

@@ -13,6 +13,28 @@ import sys
 
 from megatron_adacc.bench import harness
 
+#: ``--attention``: the core attention every method of a bench runs with, as ``adacc train`` flags. The fused
+#: kernel's CPU path has no dropout, so under ``sdpa`` every method (Megatron's too) trains without attention
+#: dropout; ``config`` keeps the config's own.
+ATTENTION_FLAGS: dict[str, list[str]] = {
+    "config": [],
+    "unfused": ["--attention-backend", "local"],
+    "sdpa": ["--attention-backend", "flash", "--attention-dropout", "0"],
+}
+
+
+def attention_flags(args) -> list[str]:
+    """The ``adacc train`` flags of the bench's ``--attention`` (none for a caller that does not say)."""
+    return ATTENTION_FLAGS[getattr(args, "attention", None) or "config"]
+
+
+def add_attention_argument(parser) -> None:
+    """The bench's ``--attention``, whose flags (:data:`ATTENTION_FLAGS`) join every method's command line."""
+    parser.add_argument("--attention", choices=tuple(ATTENTION_FLAGS), default="config",
+                        help="Core attention of every method: the config's (default), megatron-core's unfused "
+                             "DotProductAttention, or PyTorch's fused SDPA kernel (attention dropout 0 for all, "
+                             "as its CPU kernel has none).")
+
 
 def profile_for(flags: list[str], timeout: float = 1800) -> None:
     """Run `adacc profile` for this configuration in its own process, so that an ``--adacc-policy auto`` run

@@ -90,11 +90,15 @@ def versions() -> dict:
 
 def results_dir(args=None) -> Path:
     """``benchmarks/results``, or ``benchmarks/results/quick`` for ``--quick`` runs, so that a CI-sized run
-    never overwrites the recorded full results. ``--output-dir`` overrides both. ``benchmarks/`` is the
+    never overwrites the recorded full results; under ``benchmarks/results/ATTENTION`` for a bench run with
+    another ``--attention`` than the config's. ``--output-dir`` overrides them. ``benchmarks/`` is the
     checkout's when running from one (the recorded results live there), else the current directory's: an
     installed package never writes into site-packages."""
     root = REPO_ROOT if (REPO_ROOT / "pyproject.toml").is_file() else Path.cwd()
     recorded = root / "benchmarks" / "results"
+    attention = getattr(args, "attention", None)
+    if attention not in (None, "config"):
+        recorded = recorded / attention
     default = recorded / "quick" if getattr(args, "quick", False) else recorded
     out = Path(getattr(args, "output_dir", None) or default)
     out.mkdir(parents=True, exist_ok=True)

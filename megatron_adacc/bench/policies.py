@@ -138,7 +138,7 @@ def _interleaved_overhead(payload: dict) -> dict:
     from megatron_adacc.training import distributed
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
-    from megatron_adacc.training.data import BatchSampler
+    from megatron_adacc.training.data import sampler_for
 
     quiet_fallback_warnings()
     flags = ["--config", payload["config"]]
@@ -151,7 +151,7 @@ def _interleaved_overhead(payload: dict) -> dict:
     config = model_lib.transformer_config(args, device)
     model = model_lib.build_gpt(args, config).to(device)
     model.train()
-    batch = next(BatchSampler(args.seq_length, args.micro_batch_size, args.seed)).to(device)
+    batch = next(sampler_for(args)).to(device)
 
     def step():
         model.zero_grad(set_to_none=True)

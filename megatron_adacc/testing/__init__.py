@@ -39,6 +39,14 @@ TINY_CONFIG = dict(
 )
 
 
+#: :func:`build_tiny_gpt`'s keywords for a Llama-style tiny GPT: RMSNorm, SwiGLU, rotary positions, two key/value
+#: heads for the four query heads, no biases, and PyTorch's SDPA attention, whose CPU kernel has no attention
+#: dropout (hidden dropout stays on).
+TINY_LLAMA = dict(attention_backend="flash", attention_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, add_bias_linear=False, num_query_groups=2,
+                  position_embedding_type="rope")
+
+
 @contextlib.contextmanager
 def memory_cap(gib: float):
     """Cap this process's address space at ``gib`` GiB for the duration (RLIMIT_AS).

@@ -13,7 +13,7 @@ from megatron_adacc.arguments import add_adacc_args, add_megatron_args
 from megatron_adacc.core import config_files
 from megatron_adacc.core import features as core_features
 from megatron_adacc.core.errors import InputNotFound, IntegrationError
-from megatron_adacc.training.corpus import CORPORA
+from megatron_adacc.training.corpus import CORPORA, VOCAB_SIZE, padded_vocab
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -127,13 +127,15 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     if args.adama and args.clip_grad and "--clip-grad" not in given:
         args.clip_grad = 0.0  # the config's global clipping cannot apply to AdamA; an explicit flag is refused
     _check_shapes(args, given if feature_flags_need_feature else [])
+    if args.vocab_size:  # Megatron-LM's name for the model's vocabulary, which the model signature reads
+        args.padded_vocab_size = padded_vocab(args.vocab_size, args.make_vocab_size_divisible_by)
     return SimpleNamespace(**vars(args))
 
 
 #: Flags that must be positive integers for a model and a schedule to exist.
 _POSITIVE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
              "global_batch_size", "train_iters", "ffn_hidden_size", "save_interval", "recompute_num_layers",
-             "num_query_groups")
+             "num_query_groups", "vocab_size", "make_vocab_size_divisible_by")
 _NON_NEGATIVE = (lambda v: v >= 0, "a non-negative number")
 _PROBABILITY = (lambda v: 0 <= v <= 1, "a probability in [0, 1]")
 #: Numbers with a range (finite, and the test). Checked after parsing, because a config file's values reach the
@@ -157,6 +159,10 @@ def _check_shapes(args: argparse.Namespace, argv: list[str]) -> None:
         found.append(f"--hidden-size {hidden} is not a multiple of --num-attention-heads {heads} (each head gets "
                      f"hidden/heads channels); e.g. --num-attention-heads {_a_divisor(hidden, heads)}")
     found += _query_group_problems(args) if not found else []
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is not None and 1 <= vocab < VOCAB_SIZE:
+        found.append(f"--vocab-size {vocab}: the text is bytes, which need {VOCAB_SIZE} ids; use --vocab-size "
+                     f"{VOCAB_SIZE} or more")
     found += _range_problems(args) + _path_problems(args) + core_features.idle_flags(features.FEATURES, args, argv)
     if found:
         raise IntegrationError("; ".join(found))

@@ -1,4 +1,4 @@
-"""Training corpora, as UTF-8 byte tokens (vocabulary 256).
+"""Training corpora, as UTF-8 byte tokens (vocabulary 256), and the vocabularies ``adacc train`` builds.
 
 * ``embedded`` (the default): `pydoc_data.topics`, the text of Python's reference documentation (~466 KB),
   present in every CPython install, so `adacc train` needs no download.
@@ -24,6 +24,28 @@ from megatron_adacc.core.errors import AdaccError
 
 CACHE_ENV = "ADACC_CORPUS_CACHE"
 DEFAULT_CACHE = Path("~/.cache/megatron-adacc/corpora")
+
+VOCAB_SIZE = 256
+"""The byte vocabulary: ``adacc train``'s without ``--vocab-size``, and the least one the text fits."""
+MEGATRON_VOCAB_MULTIPLE = 128
+"""Megatron-LM's default ``--make-vocab-size-divisible-by``."""
+
+
+def token_vocab(args: object) -> int:
+    """The vocabulary the run's tokens span: ``--vocab-size``, else the bytes'."""
+    return getattr(args, "vocab_size", None) or VOCAB_SIZE
+
+
+def padded_vocab(vocab: int, multiple: int | None) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (default Megatron-LM's 128), as Megatron-LM pads it."""
+    multiple = multiple or MEGATRON_VOCAB_MULTIPLE
+    return -(-vocab // multiple) * multiple
+
+
+def model_vocab(args: object) -> int:
+    """The vocabulary ``adacc train`` builds the model with: ``--vocab-size`` padded (``args.padded_vocab_size``,
+    as Megatron-LM names it), else the bytes'."""
+    return getattr(args, "padded_vocab_size", None) or VOCAB_SIZE
 
 
 class CorpusUnavailableError(AdaccError, RuntimeError):

@@ -1,7 +1,9 @@
 """Batches of the training corpus (``--corpus``, see :mod:`.corpus`) as byte-level tokens.
 
 The default corpus, `pydoc_data.topics` (Python's reference documentation, ~466 KB), ships with every CPython
-install, so `adacc train` needs no download. Tokens are UTF-8 bytes (vocabulary 256).
+install, so `adacc train` needs no download. Tokens are UTF-8 bytes (vocabulary 256), or, at a larger
+``--vocab-size``, each byte with the byte before it, folded into that vocabulary: ids spread over an embedding and
+logits of a real tokenizer's size, and the text stays as learnable as the bytes.
 """
 
 from __future__ import annotations
@@ -11,9 +13,15 @@ from functools import lru_cache
 
 import torch
 
-from megatron_adacc.training.corpus import corpus_text
+from megatron_adacc.training.corpus import VOCAB_SIZE, corpus_text, token_vocab
 
-VOCAB_SIZE = 256
+
+def token_ids(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Ids of byte ``windows`` ``[b, n]``: the bytes themselves at the byte vocabulary; at a larger one, ``n - 1``
+    ids, each a byte and the one before it, folded into ``vocab_size`` (the first byte only gives context)."""
+    if vocab_size == VOCAB_SIZE:
+        return windows
+    return (windows[:, :-1] * VOCAB_SIZE + windows[:, 1:]) % vocab_size
 
 
 @lru_cache(maxsize=2)
@@ -41,11 +49,16 @@ class BatchSampler:
     """
 
     def __init__(self, seq_length: int, micro_batch_size: int, seed: int, split: str = "train",
-                 rank: int = 0, corpus: str = "embedded"):
+                 rank: int = 0, corpus: str = "embedded", vocab_size: int = VOCAB_SIZE):
+        if vocab_size < VOCAB_SIZE:
+            raise ValueError(f"a vocabulary of {vocab_size} cannot hold the text's {VOCAB_SIZE} byte values")
+        self.vocab_size = vocab_size
+        # each window's ids need one byte of context before them at a vocabulary beyond the bytes
+        self.span = seq_length + 1 + (vocab_size != VOCAB_SIZE)
         tokens = corpus_tokens(corpus)
         cut = int(len(tokens) * 0.95)
         self.tokens = tokens[:cut] if split == "train" else tokens[cut:]
-        if len(self.tokens) <= seq_length + 1:
+        if len(self.tokens) <= self.span:
             raise ValueError(f"--seq-length {seq_length} is longer than the {split} corpus")
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
@@ -57,7 +70,14 @@ class BatchSampler:
         return self
 
     def __next__(self) -> Batch:
-        starts = torch.randint(0, len(self.tokens) - self.seq_length - 1, (self.micro_batch_size,),
-                               generator=self.generator)
-        windows = torch.stack([self.tokens[s: s + self.seq_length + 1] for s in starts.tolist()]).to(torch.int64)
-        return Batch(windows[:, :-1], windows[:, 1:], self.position_ids, self.mask)
+        starts = torch.randint(0, len(self.tokens) - self.span, (self.micro_batch_size,), generator=self.generator)
+        windows = torch.stack([self.tokens[s: s + self.span] for s in starts.tolist()]).to(torch.int64)
+        ids = token_ids(windows, self.vocab_size)
+        return Batch(ids[:, :-1], ids[:, 1:], self.position_ids, self.mask)
+
+
+def sampler_for(args: object, *, split: str = "train", rank: int = 0, seed: int | None = None) -> BatchSampler:
+    """The batches ``adacc train`` draws for ``args``: its corpus, sequence, micro-batch and vocabulary, from
+    ``seed`` (default ``--seed``)."""
+    return BatchSampler(args.seq_length, args.micro_batch_size, args.seed if seed is None else seed, split=split,
+                        rank=rank, corpus=getattr(args, "corpus", "embedded"), vocab_size=token_vocab(args))

@@ -33,7 +33,7 @@ from megatron_adacc.core.units import format_bytes
 from megatron_adacc.training import checkpoint, distributed
 from megatron_adacc.training import model as model_lib
 from megatron_adacc.training.args import MAX_CONSECUTIVE_SKIPS
-from megatron_adacc.training.data import BatchSampler
+from megatron_adacc.training.data import BatchSampler, sampler_for
 from megatron_adacc.training.host import TrainHost
 
 
@@ -94,8 +94,7 @@ def _set_up(args: SimpleNamespace) -> _Run:
                                                                          for c in chunks])[0]
     optimizer = core_features.build_optimizer(extensions, [ddp],
                                               lambda chunks: model_lib.build_optimizer(args, chunks[0]))
-    corpus = getattr(args, "corpus", "embedded")
-    sampler = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, rank=rank, corpus=corpus)
+    sampler = sampler_for(args, rank=rank)
     run = _Run(args, device, rank, world, n_micro, extensions, model, ddp, optimizer, sampler,
                list(model.parameters()))
     ctx = TrainingContext(args=args, config=config, model=[model], ddp_model=[ddp], optimizer=optimizer,
@@ -111,8 +110,7 @@ def _gradient_probe(run: _Run) -> Callable[[], float]:
     One batch, replayed: GACT's sensitivity probe (Algorithm 1) compares gradient evaluations that must differ
     only in one compressor's seed."""
     args = run.args
-    batches = BatchSampler(args.seq_length, args.micro_batch_size, args.seed, split="valid", rank=run.rank,
-                           corpus=getattr(args, "corpus", "embedded"))
+    batches = sampler_for(args, split="valid", rank=run.rank)
     held_out = []
 
     def forward_backward() -> float:
@@ -324,8 +322,7 @@ def _train(args: SimpleNamespace, return_model: bool):
 @torch.no_grad()
 def evaluate(model, args: SimpleNamespace, device: torch.device, rank: int, world: int) -> float:
     """Mean loss over ``--eval-iters`` held-out batches with dropout off (the same batches for every run)."""
-    sampler = BatchSampler(args.seq_length, args.micro_batch_size, seed=0, split="valid", rank=rank,
-                           corpus=getattr(args, "corpus", "embedded"))
+    sampler = sampler_for(args, split="valid", rank=rank, seed=0)
     model.eval()
     try:
         total = torch.zeros((), device=device)

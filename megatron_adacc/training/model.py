@@ -15,7 +15,7 @@ import torch
 from megatron_adacc.core.devices import resolve_device
 from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.models import backend_kind, dropout_problem
-from megatron_adacc.training.data import VOCAB_SIZE
+from megatron_adacc.training.corpus import model_vocab
 
 
 def transformer_config(args: SimpleNamespace, device: torch.device):
@@ -82,10 +82,10 @@ def build_gpt(args: SimpleNamespace, config) -> torch.nn.Module:
     model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(args.attention_backend),
-        vocab_size=VOCAB_SIZE,
+        vocab_size=model_vocab(args),
         max_sequence_length=args.seq_length,
         position_embedding_type=args.position_embedding_type,
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
     if args.bf16:
         from megatron.core.transformer.module import Float16Module

@@ -243,3 +243,17 @@ def test_fig4_draws_and_tabulates_the_outlier_counts_the_evolution_runs_recorded
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
     plt.close(fig)
     assert lines == {"linear_fc1": ([1, 2, 4, 8], [31.5, 20.0, 12.0, 8.0]), "mlp_bda": ([1, 4, 8], [2.0, 2.5, 3.0])}
+
+
+@pytest.mark.parametrize("swept, limit, cap, want, probes", [
+    ({4: True, 8: True}, 12, 32, 12, [16, 12, 14, 13]),      # doubling past the sweep, then halving the gap
+    ({4: True, 8: True, 16: False}, 12, 32, 12, [12, 14, 13]),  # the first swept batch over the budget bounds it
+    ({4: True, 8: True}, 100, 16, 16, [16]),                # the search stops at the cap
+    ({4: False, 8: False}, 2, 32, 0, []),                   # nothing swept fits
+])
+def test_table3_finds_the_exact_largest_micro_batch(swept, limit, cap, want, probes) -> None:
+    """Table 3's search: a method fitting 12 where another fits 8 is 1.5x, which powers of two would call equal."""
+    asked = []
+    fits = (lambda mb: asked.append(mb) or mb <= limit)
+    got = paper._largest_batch({mb: {"fits": ok} for mb, ok in swept.items()}, cap, fits)
+    assert (got, asked) == (want, probes)

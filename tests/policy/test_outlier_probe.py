@@ -60,7 +60,8 @@ def _op_outputs_of_megatrons_forward(model, batch) -> list[dict[str, torch.Tenso
 
     for i, layer in enumerate(layers):
         mlp, attn = layer.mlp, layer.self_attention
-        handles += [layer.input_layernorm.register_forward_hook(out(i, "input_layernorm")),
+        handles += [layer.input_layernorm.register_forward_pre_hook(inp(i, "layer_input")),
+                    layer.input_layernorm.register_forward_hook(out(i, "input_layernorm")),
                     attn.linear_proj.register_forward_pre_hook(inp(i, "context")),
                     attn.linear_proj.register_forward_hook(out(i, "linear_proj")),
                     layer.pre_mlp_layernorm.register_forward_pre_hook(inp(i, "self_attn_bda")),

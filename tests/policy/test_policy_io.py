@@ -58,7 +58,7 @@ def test_round_trip(tmp_path) -> None:
     path = save_policy(p, tmp_path / "p.json")
     q = load_policy(path, signature=dict(SIG))
     assert q.layers == p.layers and q.signature == p.signature and q.budget_bytes == p.budget_bytes
-    assert q.decision(0, "input_layernorm").codec_params == {"z_threshold": 2.5}
+    assert q.decision(0, "layer_input").codec_params == {"z_threshold": 2.5}
     assert q.predicted == p.predicted and q.solver == p.solver and q.profile == p.profile
 
 
@@ -73,7 +73,7 @@ def test_round_trip(tmp_path) -> None:
     (lambda o: o.update(layers=[]), "layers"),
     (lambda o: o["layers"][1]["decisions"].pop(), "layers[1].decisions"),
     (lambda o: o["layers"][2]["decisions"][4].update(action="drop"), "layers[2].decisions[4].action"),
-    (lambda o: o["layers"][0]["decisions"][3].update(op="scores"), "layers[0].decisions[3].op"),
+    (lambda o: o["layers"][0]["decisions"][4].update(op="scores"), "layers[0].decisions[4].op"),
     (lambda o: o["layers"][0]["decisions"][2].update(codec="int4_fancy"), "layers[0].decisions[2].codec"),
     (lambda o: o["layers"][0]["decisions"][2].pop("codec"), "layers[0].decisions[2].codec"),
     (lambda o: o["layers"][0]["decisions"][0].update(action="recompute", codec=None), "layers[0].decisions[0].action"),
@@ -90,6 +90,22 @@ def test_schema_errors_name_the_field(mutate, field) -> None:
         policy_from_json(obj)
     assert info.value.field == field
     assert f"'{field}'" in str(info.value)
+
+
+def test_a_version_2_file_runs_as_it_did(tmp_path) -> None:
+    """Version 2 files have no layer_input op (the layer input was always kept): read with it kept, every other
+    decision as written; a version 2 file with version 3's op list is refused."""
+    policy = solved_like_policy()
+    obj = policy_to_json(policy)
+    obj["schema_version"], obj["ops"] = 2, list(OP_NAMES[1:])
+    for layer in obj["layers"]:
+        del layer["decisions"][0]
+    old = policy_from_json(obj)
+    assert [layer[0] for layer in old.layers] == [Decision.keep()] * 3
+    assert [layer[1:] for layer in old.layers] == [layer[1:] for layer in policy.layers]
+    obj["ops"] = list(OP_NAMES)
+    with pytest.raises(PolicySchemaError, match="version 2 files decide on the ops"):
+        policy_from_json(obj)
 
 
 def test_load_names_the_file_and_field(tmp_path) -> None:

@@ -42,3 +42,42 @@ def megatron_full_recompute(model, batch) -> tuple[torch.Tensor, dict[str, torch
         return loss_and_grads(model, batch)
     finally:
         cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None
+
+
+def megatron_full_recompute_held(model, batch) -> list[int]:
+    """Bytes each layer holds for backward under Megatron's own full recompute (uniform, one layer per chunk),
+    measured after the forward: the unique storages its ``CheckpointFunction`` saved, less the inputs every layer
+    shares (attention mask, rotary embedding, which the runtime's per-layer figures leave out too), plus the RNG
+    states it keeps on its context. In forward order."""
+    from megatron_adacc.adacc.runtime.checkpoint import rng_state_nbytes
+    from megatron_adacc.core.saved import unique_storage_bytes
+
+    cfg = model.config
+    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
+    tokens, positions, mask, labels = batch
+    try:
+        loss = model(tokens, positions, mask, labels=labels).float().mean()
+        nodes = _checkpoint_nodes(loss.grad_fn)
+        shared = {t.untyped_storage().data_ptr() for n in nodes for t in n.saved_tensors[1:]
+                  if isinstance(t, torch.Tensor)}
+        held = [unique_storage_bytes(t for t in n.saved_tensors if isinstance(t, torch.Tensor)
+                                     and t.untyped_storage().data_ptr() not in shared)
+                + rng_state_nbytes(n.rng_states) for n in nodes]
+        del nodes, loss
+        return held
+    finally:
+        cfg.recompute_granularity = cfg.recompute_method = cfg.recompute_num_layers = None
+
+
+def _checkpoint_nodes(root) -> list:
+    """The ``CheckpointFunction`` nodes of a graph, the first layer's first."""
+    found, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            found.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found[::-1]

@@ -47,11 +47,19 @@ def measured(sample, decisions) -> dict[str, int]:
     for param in sample.layer.parameters():
         param.grad = torch.zeros_like(param)
     with _fork_rng(), stages.BackwardTrace() as trace:
-        x = sample.hidden.detach().requires_grad_(True)
+        # the layer's input is made inside the graph, as a layer's is in training (a leaf would be held by its
+        # gradient accumulator, and a local by this frame, a compressed input included)
+        x = layer_input(sample.hidden.detach().requires_grad_(True))
         out = checkpointed_layer_forward(sample.layer, decisions, x, sample.mask, sample.rope, layer_index=0)
+        del x
         out.backward(torch.ones_like(out))
-        del out, x
+        del out
     return {s.label[3:]: s.peak_bytes for s in trace.stages if s.label.startswith("L0/")}
+
+
+def layer_input(leaf: torch.Tensor) -> torch.Tensor:
+    """A copy of ``leaf`` that its graph does not hold (the copy's backward saves nothing)."""
+    return leaf.clone()
 
 
 def predicted(problem, decisions) -> list[float]:

@@ -46,7 +46,7 @@ def test_all_recompute_equals_megatron_full_recompute(model, batch):
     assert grads_equal(grads, full[1]) == []
 
 
-@pytest.mark.parametrize("op", [name for name in OP_NAMES if name != "input_layernorm"])
+@pytest.mark.parametrize("op", OP_NAMES[1:])  # every op but the layer input, the checkpoint
 def test_single_op_recompute_is_bit_identical(model, batch, reference, op):
     loss, grads = _with_policy(model, batch, policy_of([decisions(recompute=(op,))] * 2))
     assert torch.equal(loss, reference[0])
@@ -54,8 +54,8 @@ def test_single_op_recompute_is_bit_identical(model, batch, reference, op):
 
 
 def test_recompute_of_the_first_op_and_whole_layer_at_layer_level(model, batch):
-    """Policy files keep the first op (eq. 6), but the runtime can recompute it too: the layer input is always
-    stored. Recomputing all 13 ops is exactly Megatron's full recompute of one layer."""
+    """Recomputing input_layernorm alone, or every op but the layer input (the checkpoint, which the runtime
+    refuses to recompute), is exact: the latter is Megatron's full recompute of one layer."""
     layer = model.decoder.layers[0]
     mask = batch[2]
     x0 = torch.randn(32, 2, 64)
@@ -69,10 +69,12 @@ def test_recompute_of_the_first_op_and_whole_layer_at_layer_level(model, batch):
         return [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
 
     ref = run(lambda x: layer(hidden_states=x, attention_mask=mask)[0])
-    for recompute in (("input_layernorm",), OP_NAMES):
+    for recompute in (("input_layernorm",), OP_NAMES[1:]):
         chosen = decisions(recompute=recompute)
         got = run(lambda x, chosen=chosen: checkpointed_layer_forward(layer, chosen, x, mask))
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), recompute
+    with pytest.raises(ValueError, match="'layer_input' is the layer's checkpoint"):
+        run(lambda x: checkpointed_layer_forward(layer, decisions(recompute=OP_NAMES), x, mask))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -1,4 +1,4 @@
-"""The 13-op decomposition reproduces megatron-core's TransformerLayer forward and backward bit for bit."""
+"""The 14-op decomposition reproduces megatron-core's TransformerLayer forward and backward bit for bit."""
 
 import pytest
 import torch
@@ -63,6 +63,8 @@ def test_op_table_names_and_dataflow():
         assert set(op.inputs) <= produced, op.name
         produced |= set(op.outputs)
     assert PRODUCER["probs_dropped"] == "dropout" and PRODUCER["output"] == "mlp_bda"
+    assert PRODUCER["hidden_states"] == "layer_input"  # the layer input is the first op's output
     # A segment's stored inputs are what it reads from outside itself.
-    assert segment_inputs(ops[2:6]) == ("query", "key", "attention_mask", "value")
-    assert segment_inputs(ops[7:9]) == ("proj_out", "proj_bias", "hidden_states")
+    assert segment_inputs(ops[3:7]) == ("query", "key", "attention_mask", "value")
+    assert segment_inputs(ops[8:10]) == ("proj_out", "proj_bias", "hidden_states")
+    assert segment_inputs(ops[1:]) == ("hidden_states", "rotary_pos_emb", "attention_mask")  # full recompute

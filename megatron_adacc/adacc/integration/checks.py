@@ -1,6 +1,6 @@
 """Configurations the Adacc runtime cannot run, refused up front with the flag to change.
 
-The runtime re-implements the forward of megatron-core's *local* ``TransformerLayer`` as 13 ops and runs them
+The runtime re-implements the forward of megatron-core's *local* ``TransformerLayer`` as 14 ops and runs them
 under its own saved-tensor hooks. Anything that replaces those modules (transformer-engine, MoE, MLA), wraps
 them in other saved-tensor hooks (activation offloading), or changes their math in ways the re-implementation
 does not follow (FP8/FP4, gated attention output, fused QKV+RoPE) is refused here rather than computed wrong.

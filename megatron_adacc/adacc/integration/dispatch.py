@@ -115,6 +115,7 @@ def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
     from megatron_adacc.adacc.policy.ops import Action
     from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward, stock_layer_forward
     from megatron_adacc.adacc.runtime.memory import _codecs_of, profile_layer_sizes
+    from megatron_adacc.adacc.runtime.ops import repeats_kv
 
     if args.get("context") is not None or args.get("context_mask") is not None:
         raise UnsupportedConfigError("cross attention (context) is not supported under an Adacc policy")
@@ -137,7 +138,7 @@ def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
                 layer, hidden_states, args.get("attention_mask"), args.get("rotary_pos_emb"),
                 codecs=_codecs_of(decisions)))
         forward = (stock_layer_forward if all(d.action == Action.KEEP for d in decisions.values())
-                   else functools.partial(checkpointed_layer_forward, decisions=decisions))
+                   and not repeats_kv(layer) else functools.partial(checkpointed_layer_forward, decisions=decisions))
         hidden_states = forward(layer, hidden_states=hidden_states, attention_mask=args.get("attention_mask"),
                                 rotary_pos_emb=args.get("rotary_pos_emb"), layer_index=index)
         if index + offset in extract:

@@ -492,7 +492,6 @@ def _layer_profile(sample: LayerSample, args: Any, signature: dict[str, Any], de
         device=device_name(device), signature=signature, ops=measured.ops,
         static_bytes=int(total_params * static_bytes_per_param(args)),
         workspace_bytes=int(workspace + measured.sizes.rng_bytes),
-        layer_fixed_bytes=int(measured.sizes.input_bytes),
         rng_bytes=int(measured.sizes.rng_bytes),
         segment_times_s=segments,
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,

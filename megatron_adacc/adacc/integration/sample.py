@@ -4,10 +4,11 @@ and the embedding of one batch of text (:class:`~megatron_adacc.adacc.integratio
 Built here, with megatron-core directly, because both hosts (``adacc train`` and Megatron-LM) reach the profiler
 through the same feature entry and neither can hand it their model or data at that point. The model is what
 ``adacc train`` builds (local layer spec with the core attention of ``--attention-backend``, or Megatron-LM's
-``--spec``; byte vocabulary, tied embeddings) with one layer, and the batch is the first one ``adacc train``'s
-sampler draws from its default corpus, Python's reference documentation, which every CPython install has: the
-same weights and activations, so the same profile. ``tests/policy/test_profiler.py``
-checks the two stay equal. Other corpora (``--corpus``) do not change the sample: a stored profile is keyed by
+``--spec``; the arguments' vocabulary, else the bytes', and embeddings tied unless they say untied) with one
+layer, and the batch is the first one ``adacc train``'s sampler draws from its default corpus, Python's reference
+documentation, which every CPython install has: the same weights and activations, so the same profile (as bytes:
+at a larger vocabulary the ids differ, the layer's sizes do not). ``tests/policy/test_profiler.py`` checks the two
+stay equal. Other corpora (``--corpus``) do not change the sample: a stored profile is keyed by
 the model signature alone, and is reused whatever text a later run trains on.
 """
 
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 
 from megatron_adacc.adacc.integration.profiler import LayerSample
+from megatron_adacc.adacc.policy.signature import args_vocab
 
-#: Tokens are UTF-8 bytes (``adacc train``'s vocabulary).
+#: Tokens are UTF-8 bytes (``adacc train``'s vocabulary without ``--vocab-size``, which ids of a larger one fold).
 BYTE_VOCAB = 256
 #: ``adacc train`` holds out the corpus's last 5% for validation; the sample comes from the rest.
 _TRAIN_FRACTION = 0.95
@@ -44,9 +46,10 @@ def one_layer_gpt(args: Any, config: Any, device: torch.device) -> torch.nn.Modu
     from megatron_adacc.models.attention import layer_spec
 
     one = one_layer_config(config)
-    model = GPTModel(config=one, transformer_layer_spec=layer_spec(args), vocab_size=BYTE_VOCAB,
+    model = GPTModel(config=one, transformer_layer_spec=layer_spec(args), vocab_size=args_vocab(args) or BYTE_VOCAB,
                      max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type,
-                     share_embeddings_and_output_weights=True)
+                     share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights",
+                                                                     False))
     if args.bf16:
         from megatron.core.transformer.module import Float16Module
 

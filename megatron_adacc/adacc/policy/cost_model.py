@@ -43,9 +43,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, Action, segments
+from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, RNG_OPS, Action, segments
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.policy.profile import LayerProfile
+from megatron_adacc.models import UNFUSED
 
 # Python 3.11 looks enum members up through EnumType.__getattr__ (about 0.1 us each, ten times a string
 # comparison); the checks below run in the inner loops of the Pareto DP and the MILP graph, so they compare
@@ -90,12 +91,10 @@ class Problem:
     segment_time: Callable[[int, int], float]
     """Time to recompute ops a..b (inclusive) as one segment from stored inputs."""
     workspace_bytes: float = 0.0
-    layer_fixed_bytes: float = 0.0
-    """Held by every layer whatever its decisions (the layer input)."""
     rng_bytes: float = 0.0
     """Held by every recompute segment that contains an op of ``rng_ops`` (saved RNG states)."""
     rng_ops: frozenset[int] | None = None
-    """Indices of ops that draw random numbers; defaults to the layer's dropout ops."""
+    """Indices of ops that draw random numbers; defaults to those of the layer with unfused attention."""
     per_tensor: bool = False
     redecompress_segment_input: bool = True
     runtime_overhead_s: float = 0.0
@@ -156,8 +155,8 @@ class Problem:
 
     @property
     def fixed_bytes(self) -> float:
-        """M_static plus every layer's input: what the stored decisions must fit beside."""
-        return self.static_bytes + self.num_layers * self.layer_fixed_bytes
+        """What the stored decisions must fit beside: M_static (a layer's input is its first op's choice)."""
+        return self.static_bytes
 
     def min_layer_memory(self) -> float:
         return sum(min(c.memory_bytes for c in cs) for cs in self.choices)
@@ -356,8 +355,8 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         budget_bytes=budget_bytes,
         segment_time=profile.scaled_segment_time,
         workspace_bytes=float(profile.workspace_bytes),
-        layer_fixed_bytes=float(profile.layer_fixed_bytes),
         rng_bytes=float(profile.rng_bytes),
+        rng_ops=frozenset(i for i, spec in enumerate(OPS) if spec.name in _rng_ops(profile)),
         per_tensor=per_tensor,
         redecompress_segment_input=redecompress_segment_input,
         runtime_overhead_s=float(profile.runtime_overhead_s),
@@ -367,6 +366,12 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         output_bytes=(None if any(op.output_bytes is None for op in profile.ops)
                       else [float(op.output_bytes) for op in profile.ops]),
     )
+
+
+def _rng_ops(profile: LayerProfile) -> frozenset[str]:
+    """The ops of the profiled layer's core attention that draw random numbers (the unfused attention's for a
+    core attention Adacc has no op table for, which it refuses to run)."""
+    return RNG_OPS.get(profile.signature.get("attention"), RNG_OPS[UNFUSED])
 
 
 def _by_index(profile: LayerProfile, field: str) -> list[StageBytes] | None:

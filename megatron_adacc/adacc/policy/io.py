@@ -21,7 +21,10 @@ from megatron_adacc.core.errors import AdaccError, InputNotFound
 from megatron_adacc.core.files import atomic_write
 
 FORMAT = "megatron-adacc-policy"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: Older versions this one reads, with the ops their files decide on. Version 2 had no ``layer_input`` op: the
+#: layer input was always kept in full, which is what reading its decisions with ``layer_input`` kept runs.
+READABLE: dict[int, tuple[str, ...]] = {SCHEMA_VERSION: OP_NAMES, 2: OP_NAMES[1:]}
 SCHEMA_PATH = Path(__file__).with_name("policy.schema.json")
 
 
@@ -84,13 +87,13 @@ def _type_name(types: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(t, t.__name__) for t in ts)
 
 
-def _decision_from_json(obj: Any, path: str, op: str) -> Decision:
+def _decision_from_json(obj: Any, path: str, op: str, op_names: tuple[str, ...]) -> Decision:
     if not isinstance(obj, dict):
         raise PolicySchemaError(path, f"must be an object, got {type(obj).__name__}")
     name = _require(obj, "op", path + ".", str)
     if name != op:
         raise PolicySchemaError(f"{path}.op", f"is {name!r} but position says {op!r} (ops must follow "
-                                f"the forward order {', '.join(OP_NAMES)})")
+                                f"the forward order {', '.join(op_names)})")
     action = _require(obj, "action", path + ".", str)
     if action not in ACTIONS:
         raise PolicySchemaError(f"{path}.action", f"is {action!r}; expected one of {', '.join(ACTIONS)}")
@@ -140,9 +143,10 @@ def _policy_from_json(obj: Any) -> Policy:
     if fmt != FORMAT:
         raise PolicySchemaError("format", f"is {fmt!r}; expected {FORMAT!r}")
     version = _require(obj, "schema_version", "", int)
-    if version != SCHEMA_VERSION:
-        raise PolicySchemaError("schema_version", f"is {version}; this megatron-adacc reads version "
-                                f"{SCHEMA_VERSION} (re-solve the policy with this version)")
+    if version not in READABLE:
+        raise PolicySchemaError("schema_version", f"is {version}; this megatron-adacc reads versions "
+                                f"{', '.join(map(str, sorted(READABLE)))} (re-solve the policy with this version)")
+    op_names = READABLE[version]
     name = _require(obj, "name", "", str, nullable=True) if "name" in obj else None
     sig = _require(obj, "model_signature", "", dict, nullable=True)
     if sig is not None:
@@ -158,9 +162,9 @@ def _policy_from_json(obj: Any) -> Policy:
     if budget is not None and budget <= 0:
         raise PolicySchemaError("budget_bytes", f"must be positive, got {budget}")
     ops = _require(obj, "ops", "", list)
-    if list(ops) != list(OP_NAMES):
-        raise PolicySchemaError("ops", f"is {ops}; this megatron-adacc decides on the ops "
-                                f"{list(OP_NAMES)} in that order")
+    if list(ops) != list(op_names):
+        raise PolicySchemaError("ops", f"is {ops}; version {version} files decide on the ops "
+                                f"{list(op_names)} in that order")
     layers_json = _require(obj, "layers", "", list)
     if not layers_json:
         raise PolicySchemaError("layers", "must hold at least one layer")
@@ -170,11 +174,12 @@ def _policy_from_json(obj: Any) -> Policy:
         if not isinstance(layer, dict):
             raise PolicySchemaError(lp, f"must be an object, got {type(layer).__name__}")
         decs = _require(layer, "decisions", lp + ".", list)
-        if len(decs) != len(OP_NAMES):
-            raise PolicySchemaError(f"{lp}.decisions", f"has {len(decs)} entries; expected {len(OP_NAMES)}, "
+        if len(decs) != len(op_names):
+            raise PolicySchemaError(f"{lp}.decisions", f"has {len(decs)} entries; expected {len(op_names)}, "
                                     "one per op")
-        layers.append([_decision_from_json(d, f"{lp}.decisions[{i}]", op)
-                       for i, (d, op) in enumerate(zip(decs, OP_NAMES))])
+        read = {op: _decision_from_json(d, f"{lp}.decisions[{i}]", op, op_names)
+                for i, (d, op) in enumerate(zip(decs, op_names))}
+        layers.append([read.get(op, Decision.keep()) for op in OP_NAMES])
     if sig is not None and sig["num_layers"] != len(layers):
         raise PolicySchemaError("layers", f"has {len(layers)} layers but model_signature.num_layers is "
                                 f"{sig['num_layers']}")

@@ -5,6 +5,14 @@ that executes policies. A decision on an op applies to the op's OUTPUT activatio
 for backward. The first op's output is the layer's checkpoint: it is kept or compressed, never recomputed
 (eq. 6 of the Adacc paper).
 
+That first op is ``layer_input``, the layer's input itself (the residual stream), where the paper's eq. 6
+keeps ``input_layernorm``'s output and holds the layer input in full beside it. Moving the checkpoint one op up
+lets the cheapest policy store the input compressed (outlier-separated INT4, as the residual stream's outlier
+channels call for) and recompute ``input_layernorm`` with the rest, below Megatron's full recompute, which holds
+the input in full; keeping the input and recomputing every other op is exactly that full recompute (the
+``recompute`` preset). Eq. 6's policies are all still there: ``layer_input`` kept and ``input_layernorm`` not
+recomputed.
+
 It also names what can happen to an op's output (:class:`Action`) and defines, once for the runtime, the
 memory predictor, the cost model and the MILPs, which ops backward re-runs together (:func:`segments`).
 """
@@ -18,6 +26,7 @@ from dataclasses import dataclass
 
 from megatron_adacc.codecs.keep import KeepCodec
 from megatron_adacc.codecs.registry import CODECS as _CODEC_CLASSES
+from megatron_adacc.models import SDPA, UNFUSED
 
 
 class Action(str, enum.Enum):
@@ -53,7 +62,7 @@ class OpSpec:
     codecs: tuple[str, ...]
     """Every codec the runtime accepts for this op's output; the default codec comes first."""
     recomputable: bool = True
-    """False only for the layer's first op, whose output is the checkpoint (eq. 6)."""
+    """False only for the layer's first op, the layer input, which is the checkpoint (eq. 6)."""
     uses_rng: bool = False
     """Draws from a random generator (dropout): recomputing it needs a saved copy of the RNG states."""
     changed_by_reader: bool = False
@@ -74,7 +83,8 @@ def _spec(name: str, default: str, *extra: str, recomputable: bool = True, uses_
 
 
 OPS: tuple[OpSpec, ...] = (
-    _spec("input_layernorm", "int4_outlier", recomputable=False),
+    _spec("layer_input", "int4_outlier", recomputable=False),
+    _spec("input_layernorm", "int4_outlier"),
     _spec("linear_qkv", "int4_channelwise"),
     _spec("scores", "int4_asymmetric", changed_by_reader=True),
     _spec("softmax", "int4_asymmetric"),
@@ -104,11 +114,19 @@ and messages list them: the ops' layer-specific codecs first, then the others in
 assert {c for op in OPS for c in op.codecs} <= set(CODECS), "an op names a codec the codec registry lacks"
 
 OUTLIER_CODEC = "int4_outlier"
+"""The outlier-separated codec whose compression ratio drifts during training (section 3.4)."""
 
 #: ``--adacc-codec``: what the tensors a solved policy compresses use; ``none`` compresses nothing (each tensor
 #: is kept or recomputed, so training is bit-identical to stock Megatron).
 CODEC_FAMILIES = ("int4", "gact", "none")
-"""The outlier-separated codec whose compression ratio drifts during training (section 3.4)."""
+
+RNG_OPS: dict[str, frozenset[str]] = {
+    UNFUSED: frozenset(op.name for op in OPS if op.uses_rng),
+    SDPA: frozenset(op.name for op in OPS if op.uses_rng) - {"dropout"} | {"context"},
+}
+"""Per core attention (:mod:`megatron_adacc.models`' kinds), the ops that draw random numbers when dropout is on,
+whose recompute segments hold a copy of the RNG states: the fused SDPA kernel draws attention dropout inside
+``context``, where the unfused attention has its ``dropout`` op (``uses_rng`` says the unfused layer's)."""
 
 
 def op_spec(name: str) -> OpSpec:

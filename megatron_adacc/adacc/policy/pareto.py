@@ -143,7 +143,8 @@ def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: fl
     out = list(ahead)
     for s, nbytes in stages.items():
         out[s - last - 1] += nbytes
-    return tuple(x - held for x in out)
+    # list comprehensions, not generators: this runs for every prefix the DP extends
+    return tuple([x - held for x in out]) if held else tuple(out)
 
 
 def _extend(bucket: dict, q: _Prefix, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
@@ -154,5 +155,5 @@ def _extend(bucket: dict, q: _Prefix, k2: int, c2: Choice, placed: dict[int, flo
     memory = q.memory_bytes + c2.memory_bytes
     peak = max([q.peak_bytes] + [grad[s] + memory + full[s - last - 1] for s in range(last + 1, nxt + 1)])
     rest = full[nxt - last:]
-    key = (k2, tuple(round(x, 3) for x in rest))
+    key = (k2, tuple([round(x, 3) for x in rest]))
     bucket.setdefault(key, []).append(_Prefix(memory, q.time_s + c2.time_s, q.picks + (k2,), peak, rest))

@@ -213,7 +213,8 @@ class Policy:
 
     @classmethod
     def all_recompute(cls, num_layers: int) -> Policy:
-        """Megatron-style full recompute: only the layer's checkpoint (first op's output) is stored."""
+        """Megatron's full recompute: the layer input kept in full and every op recomputed from it, so the same
+        bytes are held and training is bit-identical."""
         return cls.uniform(Action.RECOMPUTE, num_layers, name="recompute")
 
     @classmethod

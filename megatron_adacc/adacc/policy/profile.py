@@ -13,13 +13,15 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 """The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
 them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
 mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
 counted one layer's activations, which the cost model now derives per policy); 3 added ``runtime_overhead_s``,
 the runtime's fixed per-layer cost, and times ``step_time_s`` through megatron's own forward; 4 added each op's
-``consumers``, ``freed``, ``grad_bytes`` and ``output_bytes``, from which the cost model bounds every backward stage."""
+``consumers``, ``freed``, ``grad_bytes`` and ``output_bytes``, from which the cost model bounds every backward stage;
+5 made the layer input an op (``layer_input``, kept or compressed) instead of ``layer_fixed_bytes``, kept codecs off
+small tensors and fed them tensors in memory order."""
 
 
 @dataclass
@@ -108,8 +110,6 @@ class LayerProfile:
     workspace_bytes: int = 0
     """Policy-independent transient memory on top of the stored activations at the peak (the logits and
     their gradient); the bytes a layer re-materializes in backward are added per policy by the cost model."""
-    layer_fixed_bytes: int = 0
-    """Bytes every layer holds whatever its policy (its input, the checkpoint the runtime always keeps)."""
     rng_bytes: int = 0
     """One saved copy of the RNG states, held by each recompute segment that contains a dropout op."""
     segment_times_s: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -162,7 +162,6 @@ class LayerProfile:
             "ops": [op.to_json() for op in self.ops],
             "static_bytes": int(self.static_bytes),
             "workspace_bytes": int(self.workspace_bytes),
-            "layer_fixed_bytes": int(self.layer_fixed_bytes),
             "rng_bytes": int(self.rng_bytes),
             "segment_times_s": [[a, b, t] for (a, b), t in sorted(self.segment_times_s.items())],
             "segment_overhead_s": self.segment_overhead_s,
@@ -184,7 +183,6 @@ class LayerProfile:
             device=obj["device"], signature=dict(obj["signature"]),
             ops=[OpProfile.from_json(o) for o in obj["ops"]],
             static_bytes=int(obj.get("static_bytes", 0)), workspace_bytes=int(obj.get("workspace_bytes", 0)),
-            layer_fixed_bytes=int(obj.get("layer_fixed_bytes", 0)),
             rng_bytes=int(obj.get("rng_bytes", 0)),
             segment_times_s={(int(a), int(b)): float(t) for a, b, t in obj.get("segment_times_s", [])},
             segment_overhead_s=float(obj.get("segment_overhead_s", 0.0)),
@@ -211,7 +209,7 @@ def op_output_elements(sig: dict[str, Any]) -> dict[str, int]:
     tok = s * b
     attn = b * a * s * s
     return {
-        "input_layernorm": tok * h, "linear_qkv": 3 * tok * h, "scores": attn, "softmax": attn,
+        "layer_input": tok * h, "input_layernorm": tok * h, "linear_qkv": 3 * tok * h, "scores": attn, "softmax": attn,
         "dropout": attn, "context": tok * h, "linear_proj": tok * h, "self_attn_bda": tok * h,
         "pre_mlp_layernorm": tok * h, "linear_fc1": tok * f, "activation": tok * f, "linear_fc2": tok * h,
         "mlp_bda": tok * h,

@@ -76,6 +76,12 @@ def _attention(args: Any) -> str:
         return UNFUSED
 
 
+def args_vocab(args: Any) -> int | None:
+    """The model's vocabulary as the hosts' arguments say it: Megatron-LM's padded one, else the one given (the
+    Python API's, the model's own), else None (``adacc train``'s byte vocabulary without ``--vocab-size``)."""
+    return getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+
+
 def model_signature(config: Any, args: Any = None) -> dict[str, Any]:
     """The signature of a model (:data:`SIGNATURE_TYPES`): from its ``TransformerConfig`` and the run's arguments.
 
@@ -91,7 +97,7 @@ def model_signature(config: Any, args: Any = None) -> dict[str, Any]:
         return None
 
     hidden, heads = get("hidden_size"), get("num_attention_heads")
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+    vocab = args_vocab(args)
     sig = {
         "hidden_size": hidden,
         "num_attention_heads": heads,

@@ -1,7 +1,7 @@
 """Adacc's execution half: run one megatron-core ``TransformerLayer`` under per-op keep / compress / recompute.
 
 * :func:`checkpointed_layer_forward` — the policy-driven checkpoint function (:mod:`.checkpoint`);
-* :mod:`.ops` — the layer forward as 13 ops (also the profiler's API for timing ops and segments);
+* :mod:`.ops` — the layer forward as 14 ops (also the profiler's API for timing ops and segments);
 * :mod:`.capacity` — how many channels outlier-separated INT4 stores exactly per place, learned without a sync;
 * :func:`memory_report`, :func:`profile_layer_sizes`, :func:`predict_layer_memory` — bytes held for backward,
   measured by the runtime and predicted from the policy (:mod:`.memory`).

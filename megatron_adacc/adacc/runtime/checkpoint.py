@@ -2,17 +2,21 @@
 
 How it works
 ------------
-The layer runs as its 13 ops (:mod:`megatron_adacc.adacc.runtime.ops`), each under ``saved_tensors_hooks``. Every
+The layer runs as its 14 ops (:mod:`megatron_adacc.adacc.runtime.ops`), each under ``saved_tensors_hooks``. Every
 tensor autograd saves is attributed to the op that *produced its storage* (so ``linear_qkv``'s input, which
 is ``input_layernorm``'s output, belongs to ``input_layernorm``); a tensor no op produced (a layernorm's
-mean, a dropout mask) belongs to the op that is running. The decision of that op then applies:
+mean, a dropout mask) belongs to the op that is running, but for the unfused attention's grouped-query repeats
+of K and V, which belong to (and are stored as) their source, repeated again when backward reads them. The
+decision of that op then applies:
 
 * ``keep``      — the tensor is stored as it is;
 * ``compress``  — the tensor is stored as the codec's ``Packed`` and decompressed when backward needs it. No
   host read: NaN/Inf inputs are flagged on the device and told at the step's end
   (:data:`~megatron_adacc.core.saved.NONFINITE`), outlier-separated INT4 stores up to a capacity learned from
   the previous step (:mod:`.capacity`). Dropout masks go to a lossless 1-bit codec whatever the codec named
-  (:class:`MaskCodec`), as in section 3.2 of the paper;
+  (:class:`MaskCodec`), as in section 3.2 of the paper; statistics, tables and scalars too small to gain from
+  compression are kept (:func:`small_tensor_numel`); the codec reads a tensor in its memory layout, so the
+  channels of Q, K and V are the head dimension (:class:`InMemoryOrder`);
 * ``recompute`` — only a small token is stored. Consecutive recomputed ops form one *segment*. At the
   segment's start the runtime stores the segment's inputs (as their producers' decisions say: a reference,
   a ``Packed``, or a token into an earlier segment) and, when the segment draws random numbers, Megatron's
@@ -20,7 +24,9 @@ mean, a dropout mask) belongs to the op that is running. The decision of that op
   re-runs the segment from those inputs under the saved RNG states, so dropout masks are replayed exactly,
   and resolves every live token of the segment at once.
 
-Parameters and the layer's inputs (hidden states, attention mask, rotary embedding) are never touched.
+Parameters and the inputs every layer shares (attention mask, rotary embedding) are never touched. The hidden
+states the layer receives are the output of its first op, ``layer_input``, the layer's checkpoint: kept, or
+compressed once however many nodes save them (the first norm and, when it is recomputed, its segment's input).
 
 Memory: everything stored is owned by autograd's saved variables (through the tokens), so it is freed as
 backward consumes it. A segment and its stored inputs die with its last token. During the forward, op
@@ -47,12 +53,15 @@ from megatron_adacc.adacc.runtime.ops import (
     LAYER_INPUTS,
     PRODUCER,
     RNG_OPS,
+    SHARED_INPUTS,
     LayerOp,
     dataflow,
     initial_env,
     layer_ops,
+    repeat_kv,
     run_ops,
     segment_inputs,
+    watching_repeats,
 )
 from megatron_adacc.codecs import get_codec
 from megatron_adacc.codecs.base import mark_nonfinite
@@ -126,36 +135,98 @@ class MaskCodec:
 MASK_CODEC = MaskCodec()
 
 
-def compress_tensor(t: torch.Tensor, op: str, is_output: bool, decision: Any) -> tuple[Any, Any] | None:
+def small_tensor_numel(layer: torch.nn.Module, hidden_states: torch.Tensor) -> int:
+    """Saved float tensors of ``layer`` with fewer elements are kept, whatever the decision (:func:`compress_float`).
+
+    That is at most one value per token and attention head (norm means and reciprocal deviations, the SDPA
+    kernel's log-sum-exp) or less than one head's activation, tokens x head dimension (RoPE's cos/sin tables,
+    scalars). Compressing them saves next to nothing (the outlier codec stores more than a one-channel input),
+    and a quantized statistic would scale every gradient that reads it. The smallest activation, one key/value
+    head of multi-query attention, is tokens x head dimension: compressed while heads < head dimension, as in
+    every GPT and Llama shape."""
+    attn = layer.self_attention
+    tokens = hidden_states.numel() // max(hidden_states.size(-1), 1)
+    heads = attn.num_attention_heads_per_partition
+    return tokens * max(heads + 1, attn.hidden_size_per_attention_head)
+
+
+def compress_tensor(t: torch.Tensor, op: str, is_output: bool, decision: Any,
+                    small_numel: int = 0) -> tuple[Any, Any] | None:
     """Compress one saved tensor of ``op`` under a compress ``decision``: ``(codec, packed)``, or None to keep it.
 
     * bool masks, and the float dropout multipliers an RNG op saves internally, go to the lossless
       :class:`MaskCodec` (whatever the decision's codec);
-    * with the ``bitmask`` codec, everything that is not such a mask is kept;
-    * other float tensors go to the decision's codec (NaN/Inf input is flagged in ``packed.found``);
+    * float tensors of fewer than ``small_numel`` elements are kept (:func:`small_tensor_numel`), and so is
+      everything that is not such a mask with the ``bitmask`` codec;
+    * other float tensors go to the decision's codec in their memory layout (:class:`InMemoryOrder`; NaN/Inf
+      input is flagged in ``packed.found``);
     * other dtypes (indices) are kept.
     """
     if t.dtype == torch.bool:
         return MASK_CODEC, MASK_CODEC.compress(t)
     if not t.is_floating_point():
         return None
-    return compress_float(t, op, is_output, decision)
+    return compress_float(t, op, is_output, decision, small_numel=small_numel)
 
 
 def compress_float(t: torch.Tensor, op: str, is_output: bool, decision: Any,
-                   place: tuple | None = None) -> tuple[Any, Any] | None:
+                   place: tuple | None = None, small_numel: int = 0) -> tuple[Any, Any] | None:
     """:func:`compress_tensor` for a floating ``t``: the float dropout multiplier an RNG op saves internally
-    goes to :class:`MaskCodec`; with the ``bitmask`` codec anything else is kept (None). With ``place`` (where
-    in the model ``t`` is saved), outlier-separated INT4 runs at the place's learned capacity (:mod:`.capacity`),
-    with no host read; without, it selects exactly (one read)."""
+    goes to :class:`MaskCodec`; a tensor under ``small_numel`` elements, and with the ``bitmask`` codec anything
+    else, is kept (None). With ``place`` (where in the model ``t`` is saved), outlier-separated INT4 runs at the
+    place's learned capacity (:mod:`.capacity`), with no host read; without, it selects exactly (one read)."""
     if not is_output and op in RNG_OPS:
         return MASK_CODEC, MASK_CODEC.compress(t)
-    if decision.codec == "bitmask":
+    if decision.codec == "bitmask" or t.numel() < small_numel:
         return None
     codec = codec_for(decision.codec, decision.codec_params)
+    t, codec = InMemoryOrder.wrap(t, codec)
     if place is not None and decision.codec == OUTLIER_CODEC:
         return codec, CAPACITIES.compress(codec, t, place)
     return codec, codec.compress(t)
+
+
+class InMemoryOrder:
+    """A codec fed a tensor with its dimensions in memory order, outermost first, and its decompressed tensor
+    permuted back.
+
+    The codecs' channels are the last dimension, which should be the one contiguous in memory: the head
+    dimension of Q, K and V, however the attention transposes them (the unfused scores save K as a [b x heads,
+    head dim, s] view, whose last dimension would make sequence positions channels; the SDPA kernel saves
+    [b, heads, s, head dim] views of [s, b, heads, head dim] tensors). The permuted view needs no copy for a
+    dense tensor, so the codec reads memory in order; a tensor already in memory order goes to the codec itself.
+    """
+
+    __slots__ = ("codec", "inverse")
+
+    def __init__(self, codec: Any, inverse: tuple[int, ...]):
+        self.codec, self.inverse = codec, inverse
+
+    @classmethod
+    def wrap(cls, t: torch.Tensor, codec: Any) -> tuple[torch.Tensor, Any]:
+        """``(t with its dimensions in memory order, the codec that restores t's order)``."""
+        if t.is_contiguous():
+            return t, codec
+        order = memory_order(t)
+        inverse = tuple(sorted(range(t.dim()), key=order.__getitem__))
+        return t.permute(order), cls(codec, inverse)
+
+    @property
+    def name(self) -> str:
+        return self.codec.name
+
+    def compress(self, t: torch.Tensor, **kwargs: Any) -> Any:
+        return self.codec.compress(t, **kwargs)
+
+    def decompress(self, packed: Any) -> torch.Tensor:
+        return self.codec.decompress(packed).permute(self.inverse)
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from the largest stride to the smallest, size-1 dimensions (any stride) first and ties
+    in their own order: ``t.permute(memory_order(t))`` of a dense tensor is contiguous, and its last dimension is
+    never a size-1 one unless every dimension is."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (t.size(d) != 1, -t.stride(d), d)))
 
 
 # ------------------------------------------------------------------------------------------------ handles
@@ -200,6 +271,21 @@ class _Recomputed(_Handle):
         if self.value is None:
             self.segment.materialize()
         return self.value
+
+
+class _Repeated(_Handle):
+    """A view of K or V repeated for grouped-query attention, stored as its source (kept, compressed or a token
+    into a recompute segment, as the source's op decides) and repeated again when backward reads it."""
+
+    __slots__ = ("source", "groups", "geometry")
+
+    def __init__(self, source: Any, groups: int, view: torch.Tensor):
+        self.source, self.groups = source, groups
+        self.geometry = (tuple(view.size()), view.stride(), view.storage_offset())
+
+    def unpack(self) -> torch.Tensor:
+        # a fresh repeat is laid out as the forward's was (contiguous, its own storage), so the view's geometry holds
+        return repeat_kv(_unpack(self.source), self.groups).as_strided(*self.geometry)
 
 
 _unpack = SavedTensorStore.unpack
@@ -324,6 +410,8 @@ class LayerMemory:
 
     layer: int
     input_bytes: int = 0
+    """The layer's input, filed apart only by a layer that runs megatron's own forward (:attr:`stock_bytes`);
+    the runtime files it under op ``layer_input`` (kept or compressed)."""
     per_op: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OP_NAMES})
     stash_bytes: int = 0
     rng_bytes: int = 0
@@ -351,8 +439,10 @@ class _Frame(SavedTensorStore):
     # Only op outputs are de-duplicated, and release() retires them when they die.
     weak_dedup = False
 
-    def __init__(self, layer: torch.nn.Module, decisions: Mapping[str, Any], ops: Sequence[LayerOp]):
+    def __init__(self, layer: torch.nn.Module, decisions: Mapping[str, Any], ops: Sequence[LayerOp],
+                 small_numel: int = 0):
         super().__init__(layer.parameters())
+        self.small_numel = small_numel
         self._layer_number = getattr(layer, "layer_number", "?")
         self.decisions = decisions
         self.ops = ops
@@ -370,6 +460,12 @@ class _Frame(SavedTensorStore):
                 self.segment_of[op.name] = seg
         self.current_op = ""
         self.pack_index = 0
+        self.repeats: dict[int, tuple[torch.Tensor, int]] = {}
+        """Grouped-query repeats of K and V the running op made: ``{storage: (source, groups)}``."""
+
+    def note_repeat(self, source: torch.Tensor, repeated: torch.Tensor, groups: int) -> None:
+        """A repeat of ``source`` (:func:`~.ops.watching_repeats`), saved by the op that made it."""
+        self.repeats[storage_ptr(repeated)] = (source, groups)
 
     # -- storing one tensor under the decision of the op that owns it
     def _keep(self, t: torch.Tensor, op: str, from_pack: bool) -> torch.Tensor:
@@ -382,7 +478,7 @@ class _Frame(SavedTensorStore):
 
     def compress(self, t: torch.Tensor, op: str, is_output: bool) -> _Compressed | None:
         place = (self._layer_number, op, is_output, tuple(t.shape))
-        result = compress_float(t, op, is_output, self.decisions[op], place)
+        result = compress_float(t, op, is_output, self.decisions[op], place, self.small_numel)
         if result is None:
             return None
         self.note_nonfinite(result[1].nonfinite, t, op)
@@ -425,6 +521,11 @@ class _Frame(SavedTensorStore):
         if ptr in self.external:
             self.shared.setdefault(ptr, t.untyped_storage().nbytes())
             return t
+        repeat = self.repeats.get(ptr)
+        if repeat is not None and storage_ptr(repeat[0]) in self.producer:
+            source, groups = repeat
+            owner = self.producer[storage_ptr(source)]
+            return _Repeated(self.store(source, owner[0], owner[1], index, True), groups, t)
         owner = self.producer.get(ptr)
         if owner is None:
             return self.store(t, self.current_op, None, index, True)
@@ -432,7 +533,7 @@ class _Frame(SavedTensorStore):
 
     def stash_value(self, name: str, value: Any) -> _StashEntry:
         """Store a segment input the way its producer's decision says."""
-        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or name in LAYER_INPUTS:
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter) or name in SHARED_INPUTS:
             return _StashEntry(value, bool(getattr(value, "requires_grad", False)))
         op = self.flow.producer[name]
         return _StashEntry(self.store(value, op, name, -1, False), value.requires_grad)
@@ -490,7 +591,7 @@ def checkpointed_layer_forward(
 
     Args:
         layer: the transformer layer.
-        decisions: ``{op name: Decision}`` for the 13 ops of :data:`megatron_adacc.adacc.policy.ops.OP_NAMES`
+        decisions: ``{op name: Decision}`` for the 14 ops of :data:`megatron_adacc.adacc.policy.ops.OP_NAMES`
             (e.g. ``policy.layer_decisions(i)``); a ``Decision`` has ``action`` in keep / compress / recompute,
             and ``codec`` / ``codec_params`` for compress.
         hidden_states, attention_mask, rotary_pos_emb: the layer's inputs, as ``TransformerLayer.forward``.
@@ -507,8 +608,12 @@ def checkpointed_layer_forward(
     if not torch.is_grad_enabled():
         return run_ops(ops, env)["output"]
 
-    frame = _Frame(layer, decisions, ops)
-    for value in (hidden_states, attention_mask, *_flatten(rotary_pos_emb)):
+    stuck = [op.name for op in ops if decisions[op.name].action == Action.RECOMPUTE
+             and not OPS_BY_NAME[op.name].recomputable]
+    if stuck:
+        raise ValueError(f"op {stuck[0]!r} is the layer's checkpoint: keep or compress it, never recompute it")
+    frame = _Frame(layer, decisions, ops, small_tensor_numel(layer, hidden_states))
+    for value in (attention_mask, *_flatten(rotary_pos_emb)):
         if isinstance(value, torch.Tensor):
             frame.external.add(storage_ptr(value))
 
@@ -526,8 +631,9 @@ def checkpointed_layer_forward(
         frame.current_op, frame.pack_index = op.name, 0
         if trace is not None:
             trace.enter_forward(layer_index, op.name)
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), watching_repeats(frame.note_repeat):
             outputs = op.run(env)
+        frame.repeats.clear()  # a repeat is saved by the op that makes it; its address may be reused after
         env.update(outputs)
         frame.register_outputs(op.name, outputs)
         if trace is not None:
@@ -538,7 +644,7 @@ def checkpointed_layer_forward(
         trace.enter_forward(None, None)
 
     if accounting.is_enabled():
-        accounting.record(_measure(frame, hidden_states, layer_index))
+        accounting.record(_measure(frame, layer_index))
     return output
 
 
@@ -614,13 +720,12 @@ def _flatten(value: Any) -> list:
     return [value]
 
 
-def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None) -> LayerMemory:
+def _measure(frame: _Frame, layer_index: int | None) -> LayerMemory:
     """What stays held for backward: kept storages and packed payloads referenced by saved variables, and
     the stored inputs and RNG states of the segments that still have tokens (their own, or a later
     segment's stored input)."""
     mem = LayerMemory(layer=-1 if layer_index is None else layer_index)
-    mem.input_bytes = hidden_states.untyped_storage().nbytes()
-    seen: set[int] = {storage_ptr(hidden_states)}
+    seen: set[int] = set()
     for ptr, kept in frame.storages.items():
         if ptr not in seen:
             seen.add(ptr)
@@ -649,5 +754,5 @@ def _measure(frame: _Frame, hidden_states: torch.Tensor, layer_index: int | None
                     mem.stash_bytes += unique_storage_bytes([value], seen)
         if seg.rng is not None:
             mem.rng_bytes += rng_state_nbytes(seg.rng)
-    mem.shared = {ptr: n for ptr, n in frame.shared.items() if ptr != storage_ptr(hidden_states)}
+    mem.shared = dict(frame.shared)
     return mem

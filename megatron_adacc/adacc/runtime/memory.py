@@ -12,7 +12,7 @@ per op output, what storing it as a *segment input* would add (nothing when the 
 * each recompute segment that still has tokens after forward (its ops saved something, or a later live
   segment reads one of its outputs) holds its inputs (when not already saved) and, when it contains an op that
   draws random numbers (a dropout; with SDPA attention, ``context``), one copy of Megatron's RNG states;
-* the layer input is always held (it is the layer's checkpoint).
+* the layer input is op ``layer_input``'s output, held as that op decides (it is the layer's checkpoint).
 
 So the prediction and the runtime's measurement agree exactly on the batch that was profiled; on other batches
 they differ only by data-dependent codec sizes (outlier channels: the runtime stores up to a capacity learned
@@ -37,8 +37,17 @@ from megatron_adacc.adacc.runtime.checkpoint import (
     compress_tensor,
     never_unpacked,
     rng_state_nbytes,
+    small_tensor_numel,
 )
-from megatron_adacc.adacc.runtime.ops import DATAFLOWS, LAYER_INPUTS, dataflow, initial_env, layer_ops, segment_inputs
+from megatron_adacc.adacc.runtime.ops import (
+    DATAFLOWS,
+    SHARED_INPUTS,
+    dataflow,
+    initial_env,
+    layer_ops,
+    segment_inputs,
+    watching_repeats,
+)
 from megatron_adacc.core.saved import storage_ptr, tensor_key, unique_storage_bytes
 from megatron_adacc.models import UNFUSED
 
@@ -88,6 +97,7 @@ class LayerSizes:
 
     ops: dict[str, OpSizes]
     input_bytes: int
+    """The layer input's storage (op ``layer_input`` files what of it is saved)."""
     rng_bytes: int
     """Bytes of one captured set of RNG states (default generator, "CUDA" state, tracker states)."""
     kind: str = UNFUSED
@@ -125,12 +135,19 @@ class _SavedRecorder:
         self.consumed: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in OP_NAMES}
         self.counts = {name: 0 for name in OP_NAMES}
         self.current = ""
+        self.repeats: dict[int, torch.Tensor] = {}  # the running op's grouped-query repeats -> their source
+
+    def note_repeat(self, source: torch.Tensor, repeated: torch.Tensor, groups: int) -> None:
+        self.repeats[storage_ptr(repeated)] = source
 
     def pack(self, t: torch.Tensor) -> None:
         """Record ``t``, and give autograd nothing to keep: this graph is never backpropagated, and a tensor
         a node keeps (say softmax's output, kept by its own node) would hold that node alive, a cycle through
         C++ that Python's collector cannot see."""
         ptr = storage_ptr(t)
+        source = self.repeats.get(ptr)
+        if source is not None and storage_ptr(source) in self.producer:  # the runtime stores the source instead
+            t, ptr = source, storage_ptr(source)
         if ptr in self.params or ptr in self.external or isinstance(t, torch.nn.Parameter):
             return None
         owner, name = self.producer.get(ptr, (self.current, None))
@@ -172,7 +189,7 @@ def profile_layer_sizes(
     codecs = {name: set(codecs.get(name, ())) if codecs else set() for name in OP_NAMES}
     ops = layer_ops(layer)
     inputs = hidden_states.detach().requires_grad_(hidden_states.requires_grad)
-    external = {storage_ptr(t) for t in (inputs, attention_mask, *_flat(rotary_pos_emb)) if isinstance(t, torch.Tensor)}
+    external = {storage_ptr(t) for t in (attention_mask, *_flat(rotary_pos_emb)) if isinstance(t, torch.Tensor)}
     recorder = _SavedRecorder({storage_ptr(p) for p in layer.parameters()}, external)
     env = initial_env(inputs, attention_mask, rotary_pos_emb)
     sizes = {name: OpSizes() for name in OP_NAMES}
@@ -181,13 +198,16 @@ def profile_layer_sizes(
             rng_bytes = rng_state_nbytes(_capture_rng())
             for op in ops:
                 recorder.current = op.name
-                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, never_unpacked):
+                with (torch.autograd.graph.saved_tensors_hooks(recorder.pack, never_unpacked),
+                      watching_repeats(recorder.note_repeat)):
                     outputs = op.run(env)
+                recorder.repeats.clear()
                 sizes[op.name].grad_bytes = _grad_bytes([env[n] for n in op.inputs] + list(outputs.values()))
                 env.update(outputs)
                 recorder.produced(op.name, outputs)
+        small = small_tensor_numel(layer, hidden_states)
         for op in ops:
-            _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name])
+            _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name], small)
     finally:
         recorder.release()
         env.clear()
@@ -196,7 +216,7 @@ def profile_layer_sizes(
 
 
 def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecorder,
-              codecs: set[CodecKey]) -> None:
+              codecs: set[CodecKey], small_numel: int) -> None:
     """Fill one op's sizes from what its forward saved and produced."""
     name = op.name
     tensors = recorder.saved[name]
@@ -209,7 +229,7 @@ def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecor
             and not isinstance(env[o], torch.nn.Parameter)]
     s.output_bytes = unique_storage_bytes(outs)
     for key in codecs:
-        s.compressed_bytes[key] = _packed_bytes(tensors.values(), name, key)
+        s.compressed_bytes[key] = _packed_bytes(tensors.values(), name, key, small_numel)
     for out_name in op.outputs:
         value = env[out_name]
         if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
@@ -217,7 +237,7 @@ def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecor
         ptr = storage_ptr(value)
         s.stash_keep_bytes[out_name] = 0 if ptr in saved_ptrs else value.untyped_storage().nbytes()
         s.stash_compressed_bytes[out_name] = {
-            key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key)
+            key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key, small_numel)
             for key in codecs
         }
 
@@ -244,14 +264,14 @@ def _grad_bytes(values: Iterable[Any]) -> int:
                                 and not isinstance(v, torch.nn.Parameter))
 
 
-def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey) -> int:
+def _packed_bytes(entries: Iterable[tuple[torch.Tensor, bool]], op: str, key: CodecKey, small_numel: int) -> int:
     """Bytes the runtime holds when op ``op`` compresses ``entries`` ((tensor, is an op output) pairs) with
-    codec ``key``: the same per-tensor routing as the runtime (:func:`compress_tensor`)."""
+    codec ``key``: the same per-tensor routing as the runtime (:func:`compress_tensor`, small tensors kept)."""
     decision = Decision(Action.COMPRESS, key[0], dict(key[1]))
     total = 0
     kept: list[torch.Tensor] = []
     for t, is_output in entries:
-        result = compress_tensor(t.detach(), op, is_output, decision)
+        result = compress_tensor(t.detach(), op, is_output, decision, small_numel)
         if result is None:
             kept.append(t)
         else:
@@ -267,7 +287,7 @@ def _flat(value: Any) -> list:
 
 def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer: int = -1) -> LayerMemory:
     """The bytes a layer run under ``decisions`` holds for backward, from its profiled ``sizes``."""
-    mem = LayerMemory(layer=layer, input_bytes=sizes.input_bytes)
+    mem = LayerMemory(layer=layer)
     for name in OP_NAMES:
         d = decisions[name]
         s = sizes.ops[name]
@@ -291,7 +311,7 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
     for i in sorted(live):
         seg = segs[i]
         for value in segment_inputs(seg, sizes.kind):
-            if value in LAYER_INPUTS or value not in producers:
+            if value in SHARED_INPUTS or value not in producers:
                 continue
             producer = producers[value]
             d = decisions[producer]

@@ -1,4 +1,4 @@
-"""One megatron-core ``TransformerLayer`` forward, taken apart into the 13 ops Adacc decides on.
+"""One megatron-core ``TransformerLayer`` forward, taken apart into the 14 ops Adacc decides on.
 
 The ops are a faithful re-implementation of ``TransformerLayer._forward_attention`` / ``_forward_mlp``,
 ``SelfAttention.forward`` and ``DotProductAttention.forward`` of megatron-core 0.16.1 for the *local* layer
@@ -12,6 +12,7 @@ Each op reads named values from an environment dict and returns the values it pr
 ==================  =====================================================  =================================
 op                  reads                                                  writes
 ==================  =====================================================  =================================
+layer_input         hidden_states                                          hidden_states
 input_layernorm     hidden_states                                          ln1
 linear_qkv          ln1, rotary_pos_emb                                    query, key, value
 scores              query, key                                             scores
@@ -28,10 +29,12 @@ mlp_bda             fc2_out, fc2_bias, attn_out                            outpu
 ==================  =====================================================  =================================
 
 ``*_bias`` values are the linear layers' bias *Parameters* (or ``None``), returned separately because
-megatron builds those linears with ``skip_bias_add=True``; they are never activations.
+megatron builds those linears with ``skip_bias_add=True``; they are never activations. ``layer_input`` computes
+nothing: it hands on the layer's input, so that the input is an op output like any other, which a decision
+keeps or compresses (it is the layer's checkpoint: :mod:`megatron_adacc.adacc.policy.ops`).
 
 That is the table of megatron's ``DotProductAttention`` (kind ``unfused``). A layer whose core attention is
-:class:`~megatron_adacc.models.attention.SDPAttention` (kind ``sdpa``) keeps the 13 names, so policies, profiles
+:class:`~megatron_adacc.models.attention.SDPAttention` (kind ``sdpa``) keeps the 14 names, so policies, profiles
 and the solvers see the same ops, but its attention is one fused kernel: ``scores``, ``softmax`` and ``dropout``
 read and write nothing (they hold nothing and cost nothing), and ``context`` runs the core attention itself:
 
@@ -52,7 +55,7 @@ API for the profiler (policy helper)::
 
     from megatron_adacc.adacc.runtime.ops import layer_ops, initial_env, run_ops
 
-    ops = layer_ops(layer)                     # 13 LayerOp, forward order (names = policy.ops.OP_NAMES)
+    ops = layer_ops(layer)                     # 14 LayerOp, forward order (names = policy.ops.OP_NAMES)
     env = initial_env(hidden_states, attention_mask, rotary_pos_emb)
     for op in ops:                             # time each op, or a segment with run_ops(ops[i:j], env)
         env.update(op.run(env))
@@ -65,7 +68,8 @@ in place inside ``softmax``; re-running ``softmax`` on an already masked tensor 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -80,14 +84,17 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
+from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.ops import RNG_OPS as RNG_OPS_BY_KIND
 from megatron_adacc.models import SDPA, UNFUSED
 from megatron_adacc.models.attention import attention_kind
 
 Env = dict[str, Any]
 
-#: Values the layer receives from outside; they are never produced by an op.
+#: Values the layer receives from outside (``layer_input`` hands the first on as its output).
 LAYER_INPUTS: tuple[str, ...] = ("hidden_states", "attention_mask", "rotary_pos_emb")
+#: The layer inputs every layer shares, which no op produces and no decision touches.
+SHARED_INPUTS: tuple[str, ...] = ("attention_mask", "rotary_pos_emb")
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,10 @@ def segment_inputs(ops: Sequence[LayerOp] | Sequence[str], kind: str | None = No
 
 
 # ----------------------------------------------------------------------------------------------- the ops
+def _layer_input(layer, hidden_states):
+    return {"hidden_states": hidden_states}
+
+
 def _input_layernorm(layer, hidden_states):
     return {"ln1": layer.input_layernorm(hidden_states)}
 
@@ -164,9 +175,43 @@ def _linear_qkv(layer, ln1, rotary_pos_emb):
     return {"query": query, "key": key, "value": value}
 
 
+_REPEAT_WATCHERS: list[Callable[[torch.Tensor, torch.Tensor, int], None]] = []
+
+
+@contextlib.contextmanager
+def watching_repeats(watcher: Callable[[torch.Tensor, torch.Tensor, int], None]) -> Iterator[None]:
+    """Call ``watcher(source, repeated, groups)`` for each grouped-query repeat the unfused attention makes of K
+    or V while the block runs. Megatron's ``DotProductAttention`` repeats them for its matmuls, which save the
+    repeated copies; those are the source, stored once: :func:`repeat_kv` rebuilds a copy from it."""
+    _REPEAT_WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _REPEAT_WATCHERS.remove(watcher)
+
+
+def repeat_kv(source: torch.Tensor, groups: int) -> torch.Tensor:
+    """K or V ``[s, b, groups of heads, head dim]`` repeated for each query head of a group, as Megatron does."""
+    return source.repeat_interleave(groups, dim=2)
+
+
+def repeats_kv(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s attention repeats K and V for grouped-query attention (the unfused one does; the SDPA
+    kernel reads them un-repeated). Its decomposition then holds less than megatron's own forward even with every
+    op kept (each repeat is stored as its source), so such a layer never runs the stock forward under a policy."""
+    core = layer.self_attention.core_attention
+    return (dataflow(layer).kind == UNFUSED
+            and core.num_attention_heads_per_partition != core.num_query_groups_per_partition)
+
+
 def _gqa_repeat(core, tensor):
     groups = core.num_attention_heads_per_partition // core.num_query_groups_per_partition
-    return tensor.repeat_interleave(groups, dim=2) if groups > 1 else tensor
+    if groups == 1:
+        return tensor
+    repeated = repeat_kv(tensor, groups)
+    for watcher in _REPEAT_WATCHERS:
+        watcher(tensor, repeated, groups)
+    return repeated
 
 
 def _scores(layer, query, key):
@@ -285,6 +330,7 @@ def _mlp_bda(layer, fc2_out, fc2_bias, attn_out):
 Row = tuple[str, tuple[str, ...], tuple[str, ...], Callable[..., dict[str, Any]]]
 
 _TABLE: tuple[Row, ...] = (
+    ("layer_input", ("hidden_states",), ("hidden_states",), _layer_input),
     ("input_layernorm", ("hidden_states",), ("ln1",), _input_layernorm),
     ("linear_qkv", ("ln1", "rotary_pos_emb"), ("query", "key", "value"), _linear_qkv),
     ("scores", ("query", "key"), ("scores",), _scores),
@@ -324,10 +370,9 @@ class Dataflow:
         self.io: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {row[0]: (row[1], row[2]) for row in self.table}
 
 
-_UNFUSED_RNG = frozenset(op.name for op in OPS if op.uses_rng)  # the policy's ops table owns this fact
 DATAFLOWS: dict[str, Dataflow] = {
-    UNFUSED: Dataflow(UNFUSED, _TABLE, _UNFUSED_RNG),
-    SDPA: Dataflow(SDPA, [_SDPA_ROWS.get(row[0], row) for row in _TABLE], _UNFUSED_RNG - {"dropout"} | {"context"}),
+    UNFUSED: Dataflow(UNFUSED, _TABLE, RNG_OPS_BY_KIND[UNFUSED]),
+    SDPA: Dataflow(SDPA, [_SDPA_ROWS.get(row[0], row) for row in _TABLE], RNG_OPS_BY_KIND[SDPA]),
 }
 
 #: Output name -> producing op of the unfused table (the attention without a kernel).
@@ -348,5 +393,5 @@ def dataflow(layer: torch.nn.Module) -> Dataflow:
 
 
 def layer_ops(layer: torch.nn.Module) -> list[LayerOp]:
-    """The 13 ops of ``layer`` in forward order (see the module docstring for their dataflow)."""
+    """The 14 ops of ``layer`` in forward order (see the module docstring for their dataflow)."""
     return [LayerOp(name, inputs, outputs, fn, layer) for name, inputs, outputs, fn in dataflow(layer).table]
