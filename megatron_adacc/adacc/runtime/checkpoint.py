@@ -55,7 +55,7 @@ from megatron_adacc.adacc.runtime.ops import (
     segment_inputs,
 )
 from megatron_adacc.codecs import get_codec
-from megatron_adacc.codecs.base import mark_nonfinite
+from megatron_adacc.codecs.base import compress_with, mark_nonfinite
 from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
 
 # ------------------------------------------------------------------------------------------------ codecs
@@ -104,7 +104,7 @@ class MaskCodec:
     def compress(self, t: torch.Tensor) -> _MaskPacked:
         bits = codec_for("bitmask", {})
         if t.dtype == torch.bool:
-            return _MaskPacked(bits.compress(t), None, t.dtype)
+            return _MaskPacked(compress_with(bits, t), None, t.dtype)
         kept = t != 0
         scale = t.amax() if t.numel() else t.new_ones(())
         # Runs inside the forward at every dropout: one more bool temporary (anded in place), no gathering of the
@@ -113,7 +113,7 @@ class MaskCodec:
         stray &= kept
         flag = stray.any().reshape(1) | ~torch.isfinite(scale).reshape(1)
         del stray
-        return _MaskPacked(bits.compress(kept), scale, t.dtype, flag)
+        return _MaskPacked(compress_with(bits, kept), scale, t.dtype, flag)
 
     def decompress(self, p: _MaskPacked) -> torch.Tensor:
         mask = codec_for("bitmask", {}).decompress(p.bits)
@@ -155,7 +155,7 @@ def compress_float(t: torch.Tensor, op: str, is_output: bool, decision: Any,
     codec = codec_for(decision.codec, decision.codec_params)
     if place is not None and decision.codec == OUTLIER_CODEC:
         return codec, CAPACITIES.compress(codec, t, place)
-    return codec, codec.compress(t)
+    return codec, compress_with(codec, t)
 
 
 # ------------------------------------------------------------------------------------------------ handles
