@@ -108,9 +108,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
                                       "any flag of `adacc train --help` (e.g. --num-layers); listed here and below are "
                                       "the ones this command reads")
     add_train_args(_Into(parser, model))
-    before = {id(action) for action in parser._actions}
+    before = list(parser._actions)  # kept alive: an id is unique only while its object lives
     _OWN_FLAGS[command](parser)
-    own = {id(action) for action in parser._actions} - before
+    own = {id(action) for action in parser._actions} - {id(action) for action in before}
     shown = set(_SHOWN[command])
     for action in parser._actions:
         if id(action) not in own and not shown & set(action.option_strings):

@@ -134,3 +134,17 @@ def test_an_impossible_plan_is_one_line(argv, words, capsys) -> None:
     with memory_cap(6):
         code, out, err = run_plan([*PLAN, *argv], capsys)
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_benchmark_table_puts_predictions_beside_the_papers_figures() -> None:
+    """`adacc bench plan` renders every figure it compares: Table 3's largest batches, Fig. 5's speed-up range
+    over the micro-batches where both methods fit, and the motivating recompute share."""
+    from megatron_adacc.bench.plan import PAPER_TABLE3, TABLE3_METHODS, render, speedups
+
+    result = {"methods": {m: {"largest_micro_batch": b} for m, b in zip(TABLE3_METHODS, (8, 55, 25, 59))},
+              "sweep": {"8": {"megatron_full": 0.5, "adacc": 0.4}, "32": {"megatron_full": 2.0, "adacc": 1.6},
+                        "64": {"megatron_full": None, "adacc": 3.0}}}
+    assert speedups(result["sweep"]) == [1.25, 1.25]
+    table = render({"gpt-345m": result}, {"recompute_share": 0.2449})
+    assert "Table 3, gpt-345m" in table and str(PAPER_TABLE3["gpt-345m"]["megatron_full"]) in table
+    assert "1.25-1.25x" in table and "24%" in table and "> 28%" in table
