@@ -85,9 +85,6 @@ _SHOWN = {
              "--logging-level"),
 }
 
-_OWN_FLAGS = {"profile": lambda p: _add_profile_flags(p), "solve": lambda p: _add_solve_flags(p),
-              "plan": lambda p: _add_plan_flags(p)}
-
 _DESCRIPTIONS = {
     "profile": "Profile one transformer layer of the configured model: per-op bytes, recompute and codec times, "
                "stored in the profile database that `adacc solve` and `adacc train --adacc-policy auto` read.",
@@ -173,6 +170,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-search", action="store_true", help="Skip the search for each method's largest micro-batch.")
     p.add_argument("--sweep", type=positive_int, nargs="+", default=(), metavar="B",
                    help="Also predict each method's step time at these micro-batches.")
+
+
+_OWN_FLAGS = {"profile": _add_profile_flags, "solve": _add_solve_flags, "plan": _add_plan_flags}
 
 
 def _add_show_flags(p: argparse.ArgumentParser) -> None:

@@ -193,7 +193,8 @@ class Planner:
             self._profiles[key] = planned_profile(self._model, micro_batch, self.gpu, self.signature, timed=timed)
         return self._profiles[key]
 
-    def _args(self, micro_batch: int) -> Any:
+    def args_for(self, micro_batch: int) -> Any:
+        """The run's arguments with micro-batch ``micro_batch``."""
         args = copy.copy(self.args)
         args.micro_batch_size = micro_batch
         return args
@@ -212,7 +213,7 @@ class Planner:
     def _stage(self, method: Method, micro_batch: int, stage: int, timed: bool) -> StagePlan | InfeasibleBudgetError:
         layers, pipeline = self.parameters.layers_per_stage, self.layout.pipeline
         held = in_flight(stage, pipeline)
-        profile = charge_static(self.profile(micro_batch, timed), self._args(micro_batch), self.config, stage,
+        profile = charge_static(self.profile(micro_batch, timed), self.args_for(micro_batch), self.config, stage,
                                 self.parameters)
         # Micro-batches in flight hold their activations side by side: the cost model's layers, ``held`` times over.
         count = held * layers
@@ -229,7 +230,7 @@ class Planner:
         ev = evaluate_policy(profile, policy, chain_aware=self.options.chain_aware)
         last = stage == pipeline - 1
         seconds = layers * profile.step_time_s + ev["time_s"] / held + (profile.meta["ends_s"] if last else 0.0)
-        static = static_memory(self._args(micro_batch), self.config, stage, self.parameters)
+        static = static_memory(self.args_for(micro_batch), self.config, stage, self.parameters)
         return StagePlan(stage, layers, held, static, ev["memory_bytes"] - ev["transient_bytes"] - ev["static_bytes"],
                          ev["transient_bytes"], seconds, policy.stage(0, layers))
 
@@ -237,7 +238,7 @@ class Planner:
     def plan(self, micro_batch: int) -> Plan:
         """Every method for ``micro_batch`` (:data:`METHODS`)."""
         methods = {m.name: self.method(m, micro_batch) for m in METHODS}
-        per = static_memory(self._args(micro_batch), self.config, 0, self.parameters).per_parameter
+        per = static_memory(self.args_for(micro_batch), self.config, 0, self.parameters).per_parameter
         shards = self.layout.data if self.layout.distributed_optimizer else 1
         most = max(self.parameters.stage(i) for i in range(self.layout.pipeline))
         global_batch = getattr(self.args, "global_batch_size", None) or micro_batch * self.layout.data
@@ -290,7 +291,7 @@ def nothing_fits(planner: Planner, plan: Plan) -> None:
     if plan.largest == {} and plan.micro_batch > 1 and any(planner.fits(m, 1) for m in METHODS):
         return  # no search was asked for: a smaller micro-batch fits
     worst = max(range(planner.layout.pipeline), key=planner.parameters.stage)
-    states = static_memory(planner._args(1), planner.config, worst, planner.parameters).state_bytes
+    states = static_memory(planner.args_for(1), planner.config, worst, planner.parameters).state_bytes
     adacc = planner.method(METHODS_BY_NAME["adacc"], 1, timed=False)
     need = f", Adacc at least {format_bytes(adacc.need_bytes, 2)}" if adacc.need_bytes else ""
     raise PlanError(
