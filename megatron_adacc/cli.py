@@ -73,7 +73,7 @@ COMMANDS = {
     "profile": "profile per-op costs of a transformer layer into the profile database",
     "solve": "solve Adacc's MILP for a memory budget and write a policy file",
     "show": "print a policy file as a per-op table",
-    "plan": "per-GPU memory, largest micro-batches and Adacc's policy for a model on GPUs, without a GPU",
+    "plan": "plan a model on GPUs without one: per-GPU memory, largest micro-batches, Adacc's policy",
 }
 
 

@@ -112,8 +112,8 @@ def test_adacc_plan_prints_the_breakdown_searches_and_labels_predictions(capsys,
                                  "--use-distributed-optimizer", "--device-memory", "256MiB", "--sweep", "1", "2",
                                  "--output-json", str(tmp_path / "plan.json")], capsys)
     assert code == 0
-    for part in ("parameters", "optimizer states", "activations held", "largest micro-batch", "step time (predicted)",
-                 "Times are predictions", "Adacc's policy", "V100-SXM2-32GB"):
+    for part in ("parameters", "optimizer states", "activations held", "logits workspace", "largest micro-batch",
+                 "step time (predicted)", "Times are predictions", "Adacc's policy", "V100-SXM2-32GB"):
         assert part in out, part
     assert max(len(line) for line in out.splitlines()) <= 100
     written = json.loads((tmp_path / "plan.json").read_text())

@@ -48,7 +48,8 @@ def header(planner: Planner, plan: Plan) -> str:
 
 def memory_table(plan: Plan) -> str:
     """Per-GPU bytes of each method on its worst pipeline stage (the stage and the micro-batches it holds in
-    flight under 1F1B, with pipeline parallelism)."""
+    flight under 1F1B, with pipeline parallelism). The total adds the transient at the peak, the larger of the
+    logits workspace and a layer's backward, to the model states and the activations held."""
     rows: list[list[str]] = []
     worst = {name: m.worst for name, m in plan.methods.items()}
 
@@ -61,7 +62,8 @@ def memory_table(plan: Plan) -> str:
     row("gradients", lambda s: _gib(s.static.gradient_bytes))
     row("optimizer states", lambda s: _gib(s.static.optimizer_bytes))
     row("activations held", lambda s: _gib(s.held_bytes))
-    row("logits / backward peak", lambda s: _gib(s.transient_bytes))
+    row("logits workspace", lambda s: _gib(s.static.workspace_bytes))
+    row("transient at the peak", lambda s: _gib(s.transient_bytes))
     row("total", lambda s: _gib(s.total_bytes))
     rows.append(["fits the budget"] + ["yes" if plan.methods[m.name].fits else "no" for m in METHODS])
     return format_table([f"per GPU, micro-batch {plan.micro_batch}"] + [SHORT[m.name] for m in METHODS], rows,
@@ -131,7 +133,9 @@ def policy_table(planner: Planner, plan: Plan) -> str:
 
 def render(planner: Planner, plan: Plan) -> str:
     share = recompute_share(plan)
-    parts = [header(planner, plan), memory_table(plan)]
+    parts = [header(planner, plan), memory_table(plan),
+             _prose("The total is the model states, the activations held and the transient at the peak: the logits "
+                    "workspace or a layer's backward (what it brings back), whichever is larger.")]
     if plan.largest:
         parts.append(search_table(plan))
     parts.append(time_table(plan))
@@ -159,6 +163,7 @@ def to_json(planner: Planner, plan: Plan) -> dict[str, Any]:
             "peak_memory_bytes": None if worst is None else worst.total_bytes,
             "activation_bytes": None if worst is None else worst.held_bytes,
             "transient_bytes": None if worst is None else worst.transient_bytes,
+            "logits_workspace_bytes": None if worst is None else worst.static.workspace_bytes,
             "static_bytes": None if worst is None else worst.static.state_bytes,
             "min_budget_bytes": mp.need_bytes}
     return {"gpu": planner.gpu.name, "memory_bytes": planner.memory_bytes, "budget_bytes": planner.budget_bytes,
