@@ -126,6 +126,7 @@ class FakeModel:
             self.layer = build_module(sizing_spec(args, layout), config=self.config, layer_number=1,
                                       pg_collection=self.groups)
         self.layer.train()
+        self._gpt: Any = None  # the whole one-layer model, built once for the ends' times
 
     def sample(self, micro_batch: int) -> LayerSample:
         """The layer with the inputs of a micro-batch of ``micro_batch`` sequences."""
@@ -147,7 +148,6 @@ class FakeModel:
         tensors."""
         return measure_sizes(self.sample(micro_batch), codec_keys(self.args), lambda _line: None)
 
-
     def ends_seconds(self, micro_batch: int, gpu: GpuSpec, dtype: str) -> float:
         """The roofline time of the model's ends (embedding, final norm, output layer and loss) for one micro-batch,
         forward and backward: megatron's one-layer GPT run whole, less its layer run alone. Sequence parallelism
@@ -158,8 +158,10 @@ class FakeModel:
         from megatron_adacc.adacc.integration.model_states import one_layer_gpt
 
         s = self.args.seq_length
-        gpt = one_layer_gpt(self.args, self.config, self.groups)
-        gpt.train()
+        if self._gpt is None:
+            self._gpt = one_layer_gpt(self.args, self.config, self.groups)
+            self._gpt.train()
+        gpt = self._gpt
         tokens = torch.zeros(micro_batch, s, dtype=torch.long)
         positions = torch.arange(s).expand(micro_batch, s)
         mask = torch.ones(s, s, dtype=torch.bool).triu(diagonal=1)[None, None]
