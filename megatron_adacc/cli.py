@@ -1,4 +1,4 @@
-"""The `adacc` command: train, bench, and the policy tools (profile, solve, show).
+"""The `adacc` command: train, bench, and the policy tools (profile, solve, show, plan).
 
 Every refusal, from argparse's own to one found deep in training, is an
 :class:`~megatron_adacc.core.errors.AdaccError` that :func:`main` alone turns into one line and
@@ -73,6 +73,7 @@ COMMANDS = {
     "profile": "profile per-op costs of a transformer layer into the profile database",
     "solve": "solve Adacc's MILP for a memory budget and write a policy file",
     "show": "print a policy file as a per-op table",
+    "plan": "plan a model on GPUs without one: per-GPU memory, largest micro-batches, Adacc's policy",
 }
 
 

@@ -1,7 +1,7 @@
-"""``adacc profile``, ``adacc solve`` and ``adacc show``: the policy maker on the command line.
+"""``adacc profile``, ``adacc solve``, ``adacc show`` and ``adacc plan``: the policy maker on the command line.
 
-``profile`` and ``solve`` take the same model flags and ``--config`` as ``adacc train``, so the signature
-they profile and solve for is the one training will check.
+``profile``, ``solve`` and ``plan`` take the same model flags and ``--config`` as ``adacc train``, so the signature
+they profile and solve for is the one training will check; ``plan`` adds the parallel layout and the GPU.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_adacc.core import log
 from megatron_adacc.core.errors import ArgumentParser, UsageError, refusal_boundary
+from megatron_adacc.core.gpus import GPUS
 from megatron_adacc.core.tables import WIDTH, format_table
-from megatron_adacc.core.units import format_bytes, parse_positive_bytes, positive_int
+from megatron_adacc.core.units import checked, format_bytes, parse_positive_bytes, positive_int
 from megatron_adacc.training.args import add_train_args, parse_train_args
 
 # The policy code (and torch under it) is imported by the functions that use it, after the command line is
@@ -77,6 +78,11 @@ _SHOWN = {
     "solve": ("--config", "--device", "--micro-batch-size", "--adacc-memory-budget", "--adacc-memory-headroom",
               "--adacc-process-baseline", "--adacc-profile-db", "--adacc-codec", "--adacc-outlier-z",
               "--adacc-no-outlier-separation", "--adacc-chain-aware", "--adacc-heterogeneous", "--logging-level"),
+    "plan": ("--config", "--micro-batch-size", "--global-batch-size", "--num-layers", "--hidden-size",
+             "--num-attention-heads", "--num-query-groups", "--group-query-attention", "--ffn-hidden-size",
+             "--seq-length", "--attention-backend", "--bf16", "--use-distributed-optimizer", "--adacc-memory-budget",
+             "--adacc-memory-headroom", "--adacc-codec", "--adacc-no-outlier-separation", "--output-json",
+             "--logging-level"),
 }
 
 _DESCRIPTIONS = {
@@ -84,19 +90,24 @@ _DESCRIPTIONS = {
                "stored in the profile database that `adacc solve` and `adacc train --adacc-policy auto` read.",
     "solve": "Solve Adacc's MILP for a memory budget (--adacc-memory-budget, as `adacc train` takes it) and write "
              "a policy file.",
+    "plan": "Plan a model on GPUs without one: per-GPU memory of Megatron's recompute modes, INT4 everywhere and "
+            "Adacc under a parallel layout, the largest micro-batch each fits, Adacc's policy, and step times "
+            "predicted by a roofline. The layer is megatron-core's own, sized on fake tensors.",
 }
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    """``adacc profile`` / ``adacc solve``: the command's own flags first; then the model, as `adacc train` reads
-    it (every flag of `adacc train` is accepted, the ones this command reads are listed: :data:`_SHOWN`)."""
-    parser = ArgumentParser(prog=f"adacc {command}", description=_DESCRIPTIONS[command])
-    (_add_profile_flags if command == "profile" else _add_solve_flags)(parser)
-    own = {id(action) for action in parser._actions}
+    """``adacc profile`` / ``solve`` / ``plan``: the command's own flags, then the model, as `adacc train` reads it
+    (every flag of `adacc train` is accepted, the ones this command reads are listed: :data:`_SHOWN`). An own flag
+    replaces `adacc train`'s of the same name (``plan --device`` names a GPU)."""
+    parser = ArgumentParser(prog=f"adacc {command}", description=_DESCRIPTIONS[command], conflict_handler="resolve")
     model = parser.add_argument_group("model", "the model and settings, as `adacc train` reads them: --config and "
                                       "any flag of `adacc train --help` (e.g. --num-layers); listed here and below are "
                                       "the ones this command reads")
     add_train_args(_Into(parser, model))
+    before = list(parser._actions)  # kept alive: an id is unique only while its object lives
+    _OWN_FLAGS[command](parser)
+    own = {id(action) for action in parser._actions} - {id(action) for action in before}
     shown = set(_SHOWN[command])
     for action in parser._actions:
         if id(action) not in own and not shown & set(action.option_strings):
@@ -129,6 +140,39 @@ def _add_solve_flags(p: argparse.ArgumentParser) -> None:
                    type=parse_positive_bytes, metavar="BYTES")
     p.add_argument("--adacc-codecs", action=_Deprecated, dest="adacc_codecs", new="--candidate-codecs",
                    choices=("default", "all"))
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", dest="gpu", choices=tuple(GPUS), default=None,
+                   help="The GPU planned for: its memory, and its arithmetic and bandwidth for predicted times "
+                        "(default a100-80gb).")
+    p.add_argument("--device-memory", type=parse_positive_bytes, default=None, metavar="SIZE",
+                   help="The GPU's memory, e.g. 32GiB (default: the --device's).")
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, metavar="N", help="TP size.")
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="PP size (1F1B, no interleaving).")
+    p.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="DP size: the GPUs are TP x PP x DP (the distributed optimizer shards over DP).")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (needs TP).")
+    p.add_argument("--vocab-size", type=positive_int, default=50257, metavar="N",
+                   help="The tokenizer's vocabulary, padded as Megatron-LM pads it (default 50257, GPT-2's BPE, "
+                        "pretrain_gpt.py's default tokenizer).")
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128, metavar="N",
+                   help="Megatron-LM's padding of the vocabulary (times the TP size).")
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="An output layer of its own instead of the word embeddings.")
+    p.add_argument("--fp16", action="store_true", help="fp16 parameters (a V100 has no bf16 arithmetic).")
+    p.add_argument("--no-masked-softmax-fusion", action="store_true",
+                   help="As Megatron-LM's flag: the unfused softmax, which keeps fp32 attention probabilities.")
+    p.add_argument("--outlier-fraction", type=checked(float, lambda f: 0 <= f <= 1, "a share in [0, 1]"),
+                   default=0.01, metavar="SHARE",
+                   help="Share of channels the outlier-separated codec keeps exact (data-dependent; default 0.01).")
+    p.add_argument("--no-search", action="store_true", help="Skip the search for each method's largest micro-batch.")
+    p.add_argument("--sweep", type=positive_int, nargs="+", default=(), metavar="B",
+                   help="Also predict each method's step time at these micro-batches.")
+
+
+_OWN_FLAGS = {"profile": _add_profile_flags, "solve": _add_solve_flags, "plan": _add_plan_flags}
 
 
 def _add_show_flags(p: argparse.ArgumentParser) -> None:
@@ -165,7 +209,9 @@ def run(argv: list[str]) -> int:
         return cmd_profile(_parse(_parser("profile"), rest))
     if command == "solve":
         return cmd_solve(_parse(_parser("solve"), rest))
-    raise UsageError(f"unknown policy command {command!r}; the policy commands are profile, solve and show")
+    if command == "plan":
+        return cmd_plan(_parse(_parser("plan"), rest))
+    raise UsageError(f"unknown policy command {command!r}; the policy commands are profile, solve, show and plan")
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -232,6 +278,47 @@ def cmd_solve(args: SimpleNamespace) -> int:
     path = save_policy(policy, args.output)
     log.echo(render_policy(policy, profile, budget=budget))
     LOG.info("wrote %s (%s, %s, solved in %.0f ms)", path, result.strategy, result.status, result.solve_time_s * 1e3)
+    return 0
+
+
+def cmd_plan(args: SimpleNamespace) -> int:
+    """Plan the model on ``--device`` under the layout: print the plan (and write ``--output-json``)."""
+    import json
+
+    import torch
+
+    from megatron_adacc.adacc.planner.layout import Layout, padded_vocab_size
+
+    if args.fp16 and args.bf16:
+        raise UsageError("--fp16 and --bf16 name two precisions; give one")
+    gpu = GPUS[args.gpu or "a100-80gb"]
+    gpu.flops("float16" if args.fp16 else "bfloat16" if args.bf16 else "float32")  # refuses bf16 on a V100
+    layout = Layout.from_args(args)
+    args.device = "cpu"  # where the fake model is sized; --device named the GPU
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, layout.tensor)
+    _, config = _config(args)
+    if args.fp16:
+        config.fp16, config.params_dtype = True, torch.float16
+    layout.check(config, args.seq_length)  # before megatron starts: a layout that cannot be is one line
+    from megatron_adacc.adacc.planner.plan import Planner, make_plan, nothing_fits
+    from megatron_adacc.adacc.planner.report import render, to_json
+    from megatron_adacc.adacc.policy.solver import SolveOptions
+    from megatron_adacc.codecs.base import assuming
+    from megatron_adacc.training import distributed
+
+    distributed.initialize(torch.device("cpu"), getattr(args, "seed", 1234))
+    with assuming(outlier_fraction=args.outlier_fraction), \
+            Planner(args, config, layout, gpu, args.device_memory, budget_bytes=args.adacc_memory_budget,
+                    options=SolveOptions.from_args(args), masked_softmax_fusion=not args.no_masked_softmax_fusion
+                    ) as planner:
+        plan = make_plan(planner, args.micro_batch_size, search=not args.no_search, sweep=tuple(args.sweep))
+        nothing_fits(planner, plan)
+        log.echo(render(planner, plan))
+        if args.output_json:
+            from megatron_adacc.core.files import atomic_write
+
+            text = json.dumps(to_json(planner, plan), indent=2, default=str) + "\n"
+            atomic_write(args.output_json, lambda f: f.write(text.encode()))
     return 0
 
 

@@ -13,15 +13,16 @@ element, so nothing computed from it passes for finite (`Packed.raise_if_nonfini
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from megatron_adacc.core.errors import AdaccError
-from megatron_adacc.core.saved import unique_storage_bytes
+from megatron_adacc.core.saved import has_data, unique_storage_bytes
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 """Input dtypes every quantizing codec accepts."""
@@ -128,6 +129,11 @@ class Codec(ABC):
         """The parameters this codec was built with (``get_codec(name, **params)`` rebuilds it)."""
         return {}
 
+    def assumed_data(self, shape: tuple[int, ...] | torch.Size) -> dict[str, Any]:
+        """The ``data_dependent`` arguments of :meth:`compressed_nbytes` for a tensor whose values no one can see
+        (:func:`compress_with` of a tensor without data), as :func:`assuming` sets them; none for most codecs."""
+        return {}
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
@@ -135,6 +141,41 @@ class Codec(ABC):
     def _check_packed(self, p: Packed) -> None:
         if p.codec != self.name:
             raise ValueError(f"{self.name!r} codec cannot decompress a tensor packed by {p.codec!r}")
+
+
+#: What sizing a tensor without data assumes of the values it does not have (:func:`assuming`).
+_ASSUMED: dict[str, float] = {"outlier_fraction": 0.01}
+
+
+@contextlib.contextmanager
+def assuming(*, outlier_fraction: float) -> Iterator[None]:
+    """Within the block, :func:`compress_with` of a tensor without data takes this share of its channels for outliers
+    (the outlier-separated codec stores them exactly). 1% by default: the Z > 3 rule of eq. 1 keeps a handful of
+    channels per tensor, and the profiler measures the real share wherever a model runs."""
+    if not 0 <= outlier_fraction <= 1:
+        raise ValueError(f"outlier_fraction must be a share in [0, 1], got {outlier_fraction}")
+    before = dict(_ASSUMED)
+    _ASSUMED["outlier_fraction"] = float(outlier_fraction)
+    try:
+        yield
+    finally:
+        _ASSUMED.update(before)
+
+
+def assumed_outlier_fraction() -> float:
+    """The share of channels :func:`compress_with` takes for outliers in a tensor without data (:func:`assuming`)."""
+    return _ASSUMED["outlier_fraction"]
+
+
+def compress_with(codec: Codec, x: torch.Tensor, **kwargs: Any) -> Packed:
+    """``codec.compress(x, **kwargs)``. For a tensor without data (a meta or fake tensor: a model sized without
+    allocating it, ``adacc plan``), a `Packed` of exactly the bytes the codec's size formula gives, with what
+    depends on the values assumed (:func:`assuming`): the kernels have nothing to read, and the size is all such a
+    run asks of a codec. Callers that may meet such tensors call this rather than ``codec.compress``."""
+    if has_data(x):
+        return codec.compress(x, **kwargs)
+    nbytes = codec.compressed_nbytes(x.shape, x.dtype, **codec.assumed_data(x.shape))
+    return Packed(codec.name, x.shape, x.dtype, x.device, {"sized": x.new_empty(nbytes, dtype=torch.uint8)})
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -21,6 +21,7 @@ from megatron_adacc.codecs.base import (
     Codec,
     Packed,
     _itemsize,
+    assumed_outlier_fraction,
     check_float_input,
     mark_nonfinite,
     packed_group_bytes,
@@ -189,6 +190,9 @@ class Int4OutlierCodec(Codec):
 
     def params(self) -> dict[str, Any]:
         return {"z_threshold": self.z_threshold}
+
+    def assumed_data(self, shape: tuple[int, ...] | torch.Size) -> dict[str, Any]:
+        return {"num_outliers": round(assumed_outlier_fraction() * rows_cols(shape)[1])}
 
     def compressed_nbytes(self, shape, dtype, num_outliers: int = 0, **data_dependent: Any) -> int:  # noqa: ANN001
         rows, cols = rows_cols(shape)

@@ -25,13 +25,26 @@ import torch
 from megatron_adacc.core.log import get_logger
 from megatron_adacc.core.step_end import STEP_END
 
-__all__ = ["NONFINITE", "CountedStorage", "NonFiniteActivations", "SavedHandle", "SavedTensorStore", "storage_ptr",
-           "tensor_key", "unique_storage_bytes"]
+__all__ = ["NONFINITE", "CountedStorage", "NonFiniteActivations", "SavedHandle", "SavedTensorStore", "has_data",
+           "storage_ptr", "tensor_key", "unique_storage_bytes"]
 
 
 def storage_ptr(t: torch.Tensor) -> int:
     """Identity of a tensor's storage (every view of one tensor shares it)."""
-    return t.untyped_storage().data_ptr()
+    return _storage_id(t.untyped_storage())
+
+
+def has_data(t: torch.Tensor) -> bool:
+    """False for a tensor whose storage holds no memory: a meta tensor, or a fake one (``FakeTensorMode``), which
+    sizes a model without allocating it (``adacc plan``)."""
+    return t.untyped_storage().device.type != "meta"
+
+
+def _storage_id(storage: torch.UntypedStorage) -> int:
+    # Storages without data all sit at address 0 (and a fake tensor's refuses to say): the storage object, which
+    # every view of one tensor shares, is their identity. A real storage keeps its address, which an address a
+    # freed storage leaves behind shares on purpose (the stores retire such addresses themselves).
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -53,10 +66,10 @@ def unique_storage_bytes(tensors: Iterable[Any], seen: set[int] | None = None) -
         if not isinstance(t, torch.Tensor):
             continue
         storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0 or storage.data_ptr() in seen:
+        nbytes, key = storage.nbytes(), _storage_id(storage)
+        if nbytes == 0 or key in seen:
             continue
-        seen.add(storage.data_ptr())
+        seen.add(key)
         total += nbytes
     return total
 

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_adacc.adacc.integration import profile_child
+from megatron_adacc.adacc.integration.model_states import charge_static
 from megatron_adacc.adacc.policy.io import load_policy
 from megatron_adacc.adacc.policy.policy import Policy, preset_key
 from megatron_adacc.adacc.policy.profile import LayerProfile
@@ -33,7 +34,9 @@ def _device(args: Any) -> torch.device:
 
 def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = _log, force: bool = False,
                         isolate: bool = False) -> tuple[LayerProfile, dict[str, Any]]:
-    """The stored profile for this device and model signature, profiling (and storing) it when missing.
+    """The stored profile for this device and model signature, profiling (and storing) it when missing, with the
+    static memory and logits workspace of this run (:func:`~.model_states.charge_static`: its vocabulary,
+    parallel layout and optimizer).
 
     Profiling builds a one-layer model (:func:`~megatron_adacc.adacc.integration.sample.layer_sample`), which
     draws from the RNG as the real model's construction does. With ``isolate`` that happens in a child process
@@ -41,6 +44,12 @@ def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = 
     are what they would be with a warm cache; under torch.distributed, rank 0 profiles and the others then read
     the database.
     """
+    profile, ref = _stored_or_new_profile(args, config, log, force, isolate)
+    return charge_static(profile, args, config), ref
+
+
+def _stored_or_new_profile(args: Any, config: Any, log: Callable[[str], None], force: bool,
+                           isolate: bool) -> tuple[LayerProfile, dict[str, Any]]:
     from megatron_adacc.adacc.integration.profiler import device_name
 
     device = _device(args)

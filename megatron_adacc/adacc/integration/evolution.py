@@ -324,6 +324,7 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
     when the policy does not reference a stored profile (presets, hand-written files)."""
     if getattr(args, "adacc_no_evolution", False) or policy.profile is None or policy.budget_bytes is None:
         return None
+    from megatron_adacc.adacc.integration.model_states import charge_static
     from megatron_adacc.adacc.policy.profile_db import ProfileDB
 
     ref = policy.profile
@@ -338,6 +339,8 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
 
         install(new, config=config)
 
+    if config is not None:  # re-solves count this run's model states and workspace, as its first solve did
+        profile = charge_static(profile, args, config)
     return PolicyEvolution(profile=profile, policy=policy, budget_bytes=float(policy.budget_bytes),
                            options=_solved_with(args, policy, profile), apply=apply,
                            cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024))

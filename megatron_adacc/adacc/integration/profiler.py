@@ -5,7 +5,8 @@ Per op it records: the bytes its output holds for backward (the runtime's attrib
 :func:`megatron_adacc.adacc.runtime.profile_layer_sizes`); the time to recompute it; the time to recompute every
 segment ``a..b`` of consecutive ops from stored inputs; and, for every applicable codec, compress and
 decompress time and compressed bytes on the real activations (outlier counts are data-dependent).
-Static memory (parameters, gradients, optimizer states) is computed from the parameter count.
+Static memory (parameters, gradients, optimizer states) and the logits workspace come from the model built on the
+meta device (:mod:`megatron_adacc.adacc.integration.model_states`).
 
 The profiler is handed the layer and its inputs (a :class:`LayerSample`); it builds no model and reads no data.
 :mod:`megatron_adacc.adacc.integration.sample` makes the sample ``--adacc-policy auto`` profiles.
@@ -35,8 +36,7 @@ CodecKeys = dict[str, set]  # op name -> {codec_key(name, params), ...}
 
 @dataclass
 class LayerSample:
-    """What the profiler measures: one transformer layer of the model, real inputs for it, and the two facts
-    about the model around it that the memory figures need."""
+    """What the profiler measures: one transformer layer of the model and real inputs for it."""
 
     layer: torch.nn.Module
     """A megatron-core ``TransformerLayer`` (local spec) of the configured shape, in training mode."""
@@ -46,11 +46,6 @@ class LayerSample:
     """The attention mask the layer gets (Megatron's convention: True = masked out)."""
     rope: Any
     """Rotary embeddings, or None with learned positions."""
-    model_params: int
-    """Parameters of the one-layer model the sample comes from (embedding, output layer and this layer):
-    the whole model's count adds ``num_layers - 1`` copies of the layer's."""
-    vocab_size: int
-    """The vocabulary the logits span (their fp32 workspace is charged per profile)."""
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -176,14 +171,6 @@ def _timed(fn: Callable[[], Any], repeats: int, sync: Sync) -> float:
     return statistics.median(times)
 
 
-def static_bytes_per_param(args: Any) -> int:
-    """Parameters + Megatron DDP's fp32 gradient buffer + Adam's two fp32 moments (+ fp32 master copy
-    when training in bf16/fp16)."""
-    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
-        return 2 + 4 + 4 + 8
-    return 4 + 4 + 8
-
-
 def codec_keys(args: Any) -> CodecKeys:
     """Every applicable codec of every op, with its default parameters (``--adacc-outlier-z`` for the
     outlier codec): what the profiler measures, so that the solver can offer any of them."""
@@ -292,24 +279,25 @@ def time_codecs(op: Any, env: dict, keys: set, sizes: Any, repeats: int, sync: S
     return codecs
 
 
+def leaf_copies(op: Any, env: dict) -> dict:
+    """``op``'s inputs from ``env`` as copies of fresh leaves, to run its backward alone: the backward must not reach
+    the ops before it, and softmax masks its input in place, which a leaf refuses (hence copies)."""
+    return {name: env[name].detach().requires_grad_(env[name].requires_grad).clone()
+            if isinstance(env[name], torch.Tensor) and not isinstance(env[name], torch.nn.Parameter)
+            else env[name] for name in op.inputs}
+
+
 def backward_transient(op: Any, env: dict, device: torch.device, repeats: int) -> int | None:
     """The bytes ``op``'s backward has live beyond what the forward saved: the gradient arriving for its outputs,
     the gradients it writes for what it reads and its own temporaries (a softmax's backward holds two more
     tensors of its size). The median of ``repeats`` measured backwards; None where memory cannot be measured."""
     from megatron_adacc.adacc.runtime.stages import transient_bytes
 
-    def inputs() -> dict:
-        # copies of fresh leaves: the backward must not reach the ops before this one, and softmax masks its
-        # input in place, which a leaf refuses
-        return {name: env[name].detach().requires_grad_(env[name].requires_grad).clone()
-                if isinstance(env[name], torch.Tensor) and not isinstance(env[name], torch.nn.Parameter)
-                else env[name] for name in op.inputs}
-
     found = []
     for _ in range(max(1, repeats)):
         with torch.enable_grad():
-            outs = [v for v in op.run(inputs()).values() if isinstance(v, torch.Tensor) and v.requires_grad
-                    and not isinstance(v, torch.nn.Parameter)]
+            outs = [v for v in op.run(leaf_copies(op, env)).values() if isinstance(v, torch.Tensor)
+                    and v.requires_grad and not isinstance(v, torch.nn.Parameter)]
         if not outs:
             return 0
         grads = [torch.ones_like(v) for v in outs]
@@ -326,7 +314,13 @@ def op_profile(op: Any, forward_s: float, env: dict, keys: set, sizes: Any, repe
                log: Callable[[str], None]) -> OpProfile:
     """One op's profile: its saved bytes, forward time, codecs (timed), per-codec stash bytes, readers, and the
     gradients of its backward by their sizes (:func:`backward_transient` measures them where it can)."""
-    codecs = time_codecs(op, env, keys, sizes, repeats, sync, log)
+    return sized_op_profile(op.name, forward_s, time_codecs(op, env, keys, sizes, repeats, sync, log), keys, sizes)
+
+
+def sized_op_profile(name: str, forward_s: float, codecs: dict[str, CodecProfile], keys: set, sizes: Any
+                     ) -> OpProfile:
+    """An op's profile from the runtime's sizes of it (``OpSizes``), its forward time and its codecs' profiles
+    (measured here; a roofline's in ``adacc plan``): stash bytes per codec, readers, what is freed when."""
     stash = {"keep": int(sum(sizes.stash_keep_bytes.values()))}
     for key in keys:
         if key[0] in codecs:
@@ -334,9 +328,8 @@ def op_profile(op: Any, forward_s: float, env: dict, keys: set, sizes: Any, repe
     if sizes.saved_bytes == 0:
         # nothing of this op is saved for backward: compressing it costs no time (only a stash would)
         codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}
-    return OpProfile(op.name, int(sizes.saved_bytes), float(forward_s), codecs, stash, dict(sizes.consumer_bytes),
-                     int(sizes.grad_bytes), dict(sizes.freed_bytes),
-                     int(sizes.output_bytes))
+    return OpProfile(name, int(sizes.saved_bytes), float(forward_s), codecs, stash, dict(sizes.consumer_bytes),
+                     int(sizes.grad_bytes), dict(sizes.freed_bytes), int(sizes.output_bytes))
 
 
 #: Calibration factors are clamped to this range: below it timing noise dominates, above it something is wrong
@@ -434,6 +427,7 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
                    max_segment_ops: int | None, log: Callable[[str], None]) -> LayerProfile:
     from megatron.core.tensor_parallel.random import _fork_rng
 
+    from megatron_adacc.adacc.integration.model_states import charge_static
     from megatron_adacc.adacc.runtime import layer_ops
     from megatron_adacc.adacc.runtime.ops import initial_env
 
@@ -474,29 +468,23 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
                     profiled.grad_bytes = measured
                 bar.update()
     measured = _Measured(sizes, op_profiles, fwd, segments, calibration)
-    return _layer_profile(sample, args, signature, device, measured, repeats)
+    return charge_static(_layer_profile(args, signature, device, measured, repeats), args, config)
 
 
-def _layer_profile(sample: LayerSample, args: Any, signature: dict[str, Any], device: torch.device,
-                   measured: _Measured, repeats: int) -> LayerProfile:
-    """The stored profile: the measurements, plus static memory and workspace from the model's shape."""
+def _layer_profile(args: Any, signature: dict[str, Any], device: torch.device, measured: _Measured,
+                   repeats: int) -> LayerProfile:
+    """The stored profile: the measurements (its static memory and logits workspace are charged by
+    :func:`~megatron_adacc.adacc.integration.model_states.charge_static`)."""
     codec_scale, recompute_scale, keep_step, runtime_overhead = measured.calibration
     fwd, segments = measured.forward_s, measured.segments
     overheads = [segments[(a, a)] - fwd[a] for a in range(1, len(fwd)) if (a, a) in segments]
-    layer_params = sum(p.numel() for p in sample.layer.parameters())
-    total_params = sample.model_params + (signature["num_layers"] - 1) * layer_params
-    # The policy-independent transient: the logits and their gradient (vocab x tokens, fp32), live around the
-    # loss. What a layer re-materializes in its backward depends on the policy; the cost model adds it.
-    workspace = 2 * 4 * sample.vocab_size * args.seq_length * args.micro_batch_size
     return LayerProfile(
         device=device_name(device), signature=signature, ops=measured.ops,
-        static_bytes=int(total_params * static_bytes_per_param(args)),
-        workspace_bytes=int(workspace + measured.sizes.rng_bytes),
         rng_bytes=int(measured.sizes.rng_bytes),
         segment_times_s=segments,
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
         step_time_s=keep_step, codec_time_scale=codec_scale, recompute_time_scale=recompute_scale,
         runtime_overhead_s=runtime_overhead,
         source="measured",
-        meta={"repeats": repeats, "total_params": int(total_params), "torch": torch.__version__},
+        meta={"repeats": repeats, "torch": torch.__version__},
     )

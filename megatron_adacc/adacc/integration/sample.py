@@ -86,9 +86,7 @@ def layer_inputs(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.
         hidden = gpt.embedding(input_ids=tokens.to(device), position_ids=positions.to(device))
     rope = gpt.rotary_pos_emb(seq_length) if getattr(gpt, "rotary_pos_emb", None) is not None else None
     return LayerSample(layer=gpt.decoder.layers[0], hidden=hidden.detach(),
-                       mask=mask.to(device) if mask is not None else None, rope=rope,
-                       model_params=sum(p.numel() for p in model.parameters()),
-                       vocab_size=getattr(gpt, "vocab_size", 0) or 0)
+                       mask=mask.to(device) if mask is not None else None, rope=rope)
 
 
 def layer_sample(args: Any, config: Any, device: torch.device) -> LayerSample:

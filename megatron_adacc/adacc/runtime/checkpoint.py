@@ -64,7 +64,7 @@ from megatron_adacc.adacc.runtime.ops import (
     watching_repeats,
 )
 from megatron_adacc.codecs import get_codec
-from megatron_adacc.codecs.base import mark_nonfinite
+from megatron_adacc.codecs.base import compress_with, mark_nonfinite
 from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
 
 # ------------------------------------------------------------------------------------------------ codecs
@@ -113,7 +113,7 @@ class MaskCodec:
     def compress(self, t: torch.Tensor) -> _MaskPacked:
         bits = codec_for("bitmask", {})
         if t.dtype == torch.bool:
-            return _MaskPacked(bits.compress(t), None, t.dtype)
+            return _MaskPacked(compress_with(bits, t), None, t.dtype)
         kept = t != 0
         scale = t.amax() if t.numel() else t.new_ones(())
         # Runs inside the forward at every dropout: one more bool temporary (anded in place), no gathering of the
@@ -122,7 +122,7 @@ class MaskCodec:
         stray &= kept
         flag = stray.any().reshape(1) | ~torch.isfinite(scale).reshape(1)
         del stray
-        return _MaskPacked(bits.compress(kept), scale, t.dtype, flag)
+        return _MaskPacked(compress_with(bits, kept), scale, t.dtype, flag)
 
     def decompress(self, p: _MaskPacked) -> torch.Tensor:
         mask = codec_for("bitmask", {}).decompress(p.bits)
@@ -183,7 +183,7 @@ def compress_float(t: torch.Tensor, op: str, is_output: bool, decision: Any,
     t, codec = InMemoryOrder.wrap(t, codec)
     if place is not None and decision.codec == OUTLIER_CODEC:
         return codec, CAPACITIES.compress(codec, t, place)
-    return codec, codec.compress(t)
+    return codec, compress_with(codec, t)
 
 
 class InMemoryOrder:
@@ -220,6 +220,13 @@ class InMemoryOrder:
 
     def decompress(self, packed: Any) -> torch.Tensor:
         return self.codec.decompress(packed).permute(self.inverse)
+
+    # sizing a tensor without data (codecs.base.compress_with): the permuted shape has the same bytes
+    def compressed_nbytes(self, shape: Any, dtype: torch.dtype, **data_dependent: Any) -> int:
+        return self.codec.compressed_nbytes(shape, dtype, **data_dependent)
+
+    def assumed_data(self, shape: Any) -> dict[str, Any]:
+        return self.codec.assumed_data(shape)
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
