@@ -26,6 +26,8 @@ import sys
 import textwrap
 import time
 
+import torch
+
 from megatron_adacc.bench import harness
 from megatron_adacc.core.devices import peak_resident_bytes, resident_bytes
 from megatron_adacc.core.log import Steps, echo
@@ -189,6 +191,34 @@ def _plot(methods: dict, ns: list[int], curves: dict, args) -> None:
     harness.LOG.info("wrote %s", path)
 
 
+# ----------------------------------------------------------------------- measures
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank holds: Adam's moments and the fp32 master weights, of a Megatron
+    optimizer (chained, distributed or not) or of AdamA's (replicated or sharded)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if hasattr(inner, "state_bytes"):  # AdamA's
+        return inner.state_bytes()
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(opt, "optimizer", opt)
+        tensors = [t for state in torch_opt.state.values() for t in state.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]
+        for masters in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            tensors += [t for group in getattr(opt, masters, []) for t in group]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def gradient_buffer_bytes(chunk) -> int:
+    """Bytes of Megatron DDP's persistent gradient buffers behind ``chunk`` (0 for AdamA's stand-ins)."""
+    buffers = getattr(chunk, "buffers", None)
+    if not isinstance(buffers, list):  # a bare module: Module.buffers() is its registered buffers
+        return 0
+    return sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+
+
 # ---------------------------------------------------------------------------- child
 
 
@@ -220,8 +250,7 @@ class _Trainer:
             # Megatron-LM's scheduler applies wd_mult (no decay on biases and norms); AdamA's groups do too.
             for group in self.optimizer.param_groups:
                 group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
-            self.persistent_grad_bytes = sum(buf.grad_data.numel() * buf.grad_data.element_size()
-                                             for buf in self.ddp.buffers)
+            self.persistent_grad_bytes = gradient_buffer_bytes(self.ddp)
         self._torch = torch
 
     def step(self, batches) -> float:
