@@ -38,7 +38,9 @@ Data parallel (Appendix B)
 With ``data_parallel_group`` of ``M`` ranks, each rank folds its own ``N`` micro-batches with ``v`` decayed
 by ``M * beta2`` instead of ``beta2``; :meth:`step` sum-all-reduces ``m`` and ``v`` once per mini-batch and
 divides ``m`` by ``M`` and ``v`` by ``M^2``. The result equals single-device AdamA over ``N * M``
-micro-batches, while communication stays one all-reduce of the optimizer states per mini-batch.
+micro-batches, while communication stays one all-reduce of the optimizer states per mini-batch. The states
+sharded across the ranks instead (Megatron's distributed optimizer) are
+:class:`~megatron_adacc.optim.distributed.DistributedAdamA`.
 
 Precision, loss scaling and clipping
 ------------------------------------
@@ -50,7 +52,8 @@ Precision, loss scaling and clipping
   :class:`FloatingPointError` otherwise (the states are poisoned; restore a checkpoint).
 * Clipping by the global norm of the mini-batch gradient is impossible: that gradient never exists.
   ``clip_grad_per_tensor=c`` instead clips each micro-batch gradient of each parameter tensor to L2 norm
-  ``c`` (measured on ``∇f_i``, after unscaling and before the ``1/N`` factor) as it is folded.
+  ``c`` (measured on ``∇f_i``, after unscaling and before the ``1/N`` factor) as it is folded. The sharded form
+  clips each micro-batch's gradient by its global norm (:mod:`megatron_adacc.optim.distributed`).
 """
 
 from __future__ import annotations

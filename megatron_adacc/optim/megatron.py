@@ -41,7 +41,8 @@ from megatron_adacc.optim.adama import AdamA
 from megatron_adacc.optim.distributed import DistributedAdamA
 from megatron_adacc.optim.layout import default_bucket_size
 
-__all__ = ["MegatronAdamA", "MegatronDistributedAdamA", "adama_param_groups", "check_supported", "num_microbatches", "setup_adama"]
+__all__ = ["MegatronAdamA", "MegatronDistributedAdamA", "adama_param_groups", "check_supported", "num_microbatches",
+           "setup_adama"]
 
 # Megatron's OptimizerConfig defaults (adam_beta1, adam_beta2, adam_eps).
 _DEFAULT_BETAS = (0.9, 0.999)

@@ -207,21 +207,26 @@ def check_bound(rank: int, world: int) -> dict:
     for clip in (CLIP, 0.0):
         net = model()
         _, opt = setup_adama(args_for(3, world, clip_grad=clip), [net], net.config)
-        updates = []
-
-        def measure():
-            # m_t - beta1 m_{t-1}, global norm over the ranks' shards
-            total = torch.zeros(())
-            for shard, before in zip(opt.optimizer.shards, previous):
-                total += (shard.exp_avg - BETA1 * before).square().sum()
-                before.copy_(shard.exp_avg)
-            dist.all_reduce(total)
-            updates.append(float(total.sqrt()))
-
-        previous = [s.exp_avg.clone() for s in opt.optimizer.shards]
-        train(opt, net, 3, rank, world, after_step=measure)
-        out[clip] = updates
+        out[clip] = _first_moment_updates(opt, net, world, rank)
     return out if rank == 0 else {}
+
+
+def _first_moment_updates(opt, net, world: int, rank: int) -> list[float]:
+    """Train; after each step, the global norm of ``m_t - beta1 m_{t-1}`` over the ranks' shards."""
+    shards = opt.optimizer.shards
+    previous = [s.exp_avg.clone() for s in shards]
+    updates = []
+
+    def measure():
+        total = torch.zeros(())
+        for shard, before in zip(shards, previous):
+            total += (shard.exp_avg - BETA1 * before).square().sum()
+            before.copy_(shard.exp_avg)
+        dist.all_reduce(total)
+        updates.append(float(total.sqrt()))
+
+    train(opt, net, 3, rank, world, after_step=measure)
+    return updates
 
 
 def main() -> None:
