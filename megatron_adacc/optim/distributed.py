@@ -171,12 +171,8 @@ class DistributedAdamA(torch.optim.Optimizer):
     def _build_shards(self) -> list[_Shard]:
         """Give each bucket's parameters one flat storage (Megatron's parameter buffer, which the all-gather
         fills in place) and this rank's slice of it its states."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        counted = {id(p) for g in self.param_groups for p in g["params"]
-                   if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)}
+        counted = _counted_in_norm([p for g in self.param_groups for p in g["params"]])
         shards = []
         with torch.no_grad():
             for bucket in self.buckets:
@@ -381,8 +377,8 @@ class DistributedAdamA(torch.optim.Optimizer):
 
     def _check_finite(self) -> None:
         finite = torch.isfinite(self._state_sum()).to(torch.int64)
-        if self.dp_size > 1:  # every rank must raise, or the others would wait in the all-gather
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.group)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank raises, or the others would wait
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not bool(finite):
             self._rounds = 0
             raise FloatingPointError(
@@ -467,6 +463,20 @@ class DistributedAdamA(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _counted_in_norm(params: list[torch.nn.Parameter]) -> set[int]:
+    """Ids of the parameters a global gradient norm counts: Megatron's rule (a tensor-parallel copy or a shared
+    embedding's second copy is counted once) where Megatron's model parallelism is set up, else all."""
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+    except ImportError:
+        return {id(p) for p in params}
+    if not parallel_state.model_parallel_is_initialized():
+        return {id(p) for p in params if param_is_not_shared(p)}
+    return {id(p) for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)}
 
 
 def _warn_large_buckets(buckets: list[Bucket]) -> None:
