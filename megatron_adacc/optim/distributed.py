@@ -114,7 +114,8 @@ class DistributedAdamA(torch.optim.Optimizer):
 
     Args:
         params: parameter groups (each group's ``lr`` and ``weight_decay`` apply, AdamW's decoupled decay).
-        lr, betas, eps, weight_decay: Adam's.
+        lr, betas, eps, weight_decay: Adam's; ``betas`` are the optimizer's, not a group's (a bucket's fold spans
+            groups).
         num_microbatches: ``N``, the micro-batches each rank runs per step.
         scale_by_num_microbatches: divide each gradient by ``N``; ``False`` when each micro-batch loss already
             is (Megatron's schedules).
