@@ -15,7 +15,7 @@ import argparse
 
 from megatron_adacc import features
 from megatron_adacc.core.log import level_of
-from megatron_adacc.core.units import checked, parse_bytes
+from megatron_adacc.core.units import checked, parse_bytes, positive_int
 from megatron_adacc.models import ATTENTION_BACKENDS
 
 __all__ = ["add_adacc_args", "add_megatron_args", "parse_bytes"]
@@ -99,6 +99,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="Start bucket gradient reduction during backward.")
     g.add_argument("--use-distributed-optimizer", action="store_true", default=None,
                    help="Shard optimizer states across data-parallel ranks (reduce-scatter gradients).")
+    g.add_argument("--ddp-bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
+                   help="Gradient elements per reduction bucket with --overlap-grad-reduce or --adama "
+                        "--use-distributed-optimizer (default: Megatron's, max(40M, 1M x data-parallel size)).")
     g.add_argument("--distributed-timeout-minutes", type=_POSITIVE_MINUTES, default=None, metavar="MINUTES",
                    help="How long a collective (and the ranks' start-up meeting) waits for a rank that does not "
                         "answer (stopped, hung) before the job stops, naming that rank (default 10, Megatron-LM's; "

@@ -38,7 +38,9 @@ Data parallel (Appendix B)
 With ``data_parallel_group`` of ``M`` ranks, each rank folds its own ``N`` micro-batches with ``v`` decayed
 by ``M * beta2`` instead of ``beta2``; :meth:`step` sum-all-reduces ``m`` and ``v`` once per mini-batch and
 divides ``m`` by ``M`` and ``v`` by ``M^2``. The result equals single-device AdamA over ``N * M``
-micro-batches, while communication stays one all-reduce of the optimizer states per mini-batch.
+micro-batches, while communication stays one all-reduce of the optimizer states per mini-batch. The states
+sharded across the ranks instead (Megatron's distributed optimizer) are
+:class:`~megatron_adacc.optim.distributed.DistributedAdamA`.
 
 Precision, loss scaling and clipping
 ------------------------------------
@@ -50,7 +52,8 @@ Precision, loss scaling and clipping
   :class:`FloatingPointError` otherwise (the states are poisoned; restore a checkpoint).
 * Clipping by the global norm of the mini-batch gradient is impossible: that gradient never exists.
   ``clip_grad_per_tensor=c`` instead clips each micro-batch gradient of each parameter tensor to L2 norm
-  ``c`` (measured on ``∇f_i``, after unscaling and before the ``1/N`` factor) as it is folded.
+  ``c`` (measured on ``∇f_i``, after unscaling and before the ``1/N`` factor) as it is folded. The sharded form
+  clips each micro-batch's gradient by its global norm (:mod:`megatron_adacc.optim.distributed`).
 """
 
 from __future__ import annotations
@@ -63,9 +66,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["AdamA"]
+__all__ = ["AdamA", "adam_update", "decay_moments", "fold_gradient"]
 
 _STATE_KEYS_FP32 = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def decay_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, beta1: float, v_decay: float) -> None:
+    """Algorithm 2's decay at the start of a mini-batch: ``m <- beta1 m``, ``v <- v_decay v`` (``beta2``, or
+    ``M beta2`` in Appendix B's data parallel)."""
+    exp_avg.mul_(beta1)
+    exp_avg_sq.mul_(v_decay)
+
+
+def fold_gradient(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float,
+                  scale: float) -> None:
+    """Algorithm 2's fold of one micro-batch gradient ``g_i = scale * g`` (fp32):
+    ``m += (1 - beta1) g_i``, ``v += (1 - beta2) g_i^2``."""
+    exp_avg.add_(g, alpha=(1.0 - beta1) * scale)
+    exp_avg_sq.addcmul_(g, g, value=(1.0 - beta2) * scale * scale)
+
+
+def adam_update(theta: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
+                group: dict[str, Any]) -> None:
+    """Adam's bias-corrected update of ``theta`` at step ``step`` from the group's ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` (applied first and decoupled, AdamW's, when ``decoupled_weight_decay``)."""
+    beta1, beta2 = group["betas"]
+    lr, wd = group["lr"], group["weight_decay"]
+    if wd != 0.0 and group["decoupled_weight_decay"]:
+        theta.mul_(1.0 - lr * wd)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+    theta.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
 class AdamA(torch.optim.Optimizer):
@@ -253,8 +285,7 @@ class AdamA(torch.optim.Optimizer):
             # Algorithm 2's decay at the start of the mini-batch, done at the parameter's first gradient so
             # parameters that get no gradient are left untouched (like torch.optim.Adam skips grad=None).
             # Appendix B: in data parallel, v is decayed by M * beta2 and the sum over ranks divided by M^2.
-            exp_avg.mul_(beta1)
-            exp_avg_sq.mul_(beta2 * self._dp_size)
+            decay_moments(exp_avg, exp_avg_sq, beta1, beta2 * self._dp_size)
         g = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
         # to_f converts the arriving gradient into ∇f_i (the micro-batch's own mean-loss gradient): undo the
         # loss scale, and the 1/N the loop applied itself when scale_by_num_microbatches is False.
@@ -271,8 +302,7 @@ class AdamA(torch.optim.Optimizer):
             # The factor stays a tensor so no device sync is forced per parameter.
             f_norm = torch.linalg.vector_norm(g) * to_f
             g = g * torch.clamp(self.clip_grad_per_tensor / (f_norm + 1e-6), max=1.0)
-        exp_avg.add_(g, alpha=(1.0 - beta1) * scale)
-        exp_avg_sq.addcmul_(g, g, value=(1.0 - beta2) * scale * scale)
+        fold_gradient(exp_avg, exp_avg_sq, g, beta1, beta2, scale)
         self._folds[p] = count + 1
         self._host_checks = False  # a verdict taken before this fold does not cover it
         # Release: the only reference autograd kept is .grad; dropping it frees the buffer now.
@@ -394,19 +424,25 @@ class AdamA(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         state["step"] += 1
-        t = float(state["step"])
         theta = state.get("master_param", p)
-        if wd != 0.0 and group["decoupled_weight_decay"]:
-            theta.mul_(1.0 - lr * wd)
-        bias_correction1 = 1.0 - beta1**t
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2**t)
-        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
-        theta.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
+        adam_update(theta, state["exp_avg"], state["exp_avg_sq"], float(state["step"]), group)
         if theta is not p:
             p.copy_(theta)
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer states: ``m``, ``v`` and the fp32 master weights of every parameter."""
+        return sum(t.numel() * t.element_size() for st in self.state.values() for k, t in st.items()
+                   if k in _STATE_KEYS_FP32)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 master weights from the parameters (after model weights were loaded on their own)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "master_param" in state:
+                    state["master_param"].copy_(p.detach().float())
 
     # ------------------------------------------------------------ checkpoints
 

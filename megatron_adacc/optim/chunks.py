@@ -6,8 +6,9 @@ Megatron-LM's loop talks to the DDP wrapper (``zero_grad_buffer``, ``finish_grad
 ``ddp_config``, ``unwrap_model``), so the wrapper cannot simply be left out. :class:`AdamAChunk` stands in its
 place: it *is* a ``DistributedDataParallel`` for ``isinstance`` (so ``unwrap_model`` and checkpointing see
 through it) but skips DDP's constructor, hence owns no buffer and registers no gradient hooks; its
-gradient-sync methods do nothing because AdamA folds every gradient into ``m`` and ``v`` during backward and
-all-reduces the moments itself once per step.
+gradient-sync methods do nothing because AdamA folds every gradient into ``m`` and ``v`` during backward, and
+reduces what it must itself (the moments once per step, or with ``--use-distributed-optimizer`` each bucket of
+gradients as backward completes it, and the parameters after the step).
 
 This module imports megatron-core and is only imported when ``--adama`` is on.
 """
@@ -57,7 +58,7 @@ class AdamAChunk(DistributedDataParallel):
         """Nothing to reduce: AdamA all-reduces its moments in ``step``."""
 
     def start_param_sync(self, *args: Any, **kwargs: Any) -> None:
-        """Parameters are replicated (no distributed optimizer): nothing to gather."""
+        """AdamA's step leaves the parameters complete on every rank (it all-gathers them when sharded)."""
 
     def enable_forward_pre_hook(self) -> None:
         """No parameter all-gather to overlap."""
@@ -89,7 +90,15 @@ class MegatronLMAdamA:
         self.inner = inner
 
     def prepare_model_params_for_param_sync(self) -> None:
-        """Parameters are not sharded; nothing to prepare."""
+        """AdamA's step leaves the parameters complete on every rank; nothing to prepare."""
+
+    # -- Megatron-LM calls these with --use-distributed-optimizer (--ckpt-format torch). AdamA's shards travel as
+    # its extension's state instead (megatron_adacc/rankNNNNN.pt beside the checkpoint, one file per rank).
+    def save_parameter_state(self, filename: str) -> None:
+        """Nothing to write here: each rank's AdamA shards are the AdamA extension's checkpoint state."""
+
+    def load_parameter_state(self, filename: str, **kwargs: Any) -> None:
+        """Nothing to read here: each rank's AdamA shards are the AdamA extension's checkpoint state."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -15,11 +15,18 @@ _POSITIVE_NORM = checked(float, lambda c: c > 0, "a positive norm")  # AdamA's o
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("adama", "AdamA: Adam accumulation")
     g.add_argument("--adama", action="store_true",
-                   help="Fold each micro-batch's gradients into Adam's moments during backward and free them "
-                        "(no persistent gradient buffer). Global --clip-grad cannot apply (the mini-batch gradient "
-                        "never exists); a --clip-grad that only comes from --config is turned off.")
+                   help="Fold each micro-batch's gradients into Adam's moments during backward and free them (no "
+                        "gradient buffer). Data parallel: m and v replicated and all-reduced once per step (AdamA "
+                        "over N x DP micro-batches), or with --use-distributed-optimizer sharded like Megatron's "
+                        "(m, v, fp32 master: 12/DP bytes per parameter, no 4-byte gradient buffer; bf16: 2 + 12/DP "
+                        "against Megatron's 6 + 12/DP), each micro-batch's gradient reduce-scattered to its owner "
+                        "(AdamA over N micro-batches of DP x micro-batch samples; Adam when N = 1). --clip-grad C "
+                        "needs --use-distributed-optimizer: it clips each micro-batch's gradient to global norm C "
+                        "(not the summed gradient: that never exists); a --clip-grad that only comes from "
+                        "--config is turned off without it. See docs/adama.md.")
     g.add_argument("--adama-clip-grad-per-tensor", type=_POSITIVE_NORM, default=None, metavar="C",
-                   help="With --adama: clip each parameter's micro-batch gradient to norm C (default: no clipping).")
+                   help="With --adama (replicated states): clip each parameter's micro-batch gradient to norm C "
+                        "(default: no clipping).")
 
 
 def problems(args: Any) -> list[str]:
@@ -33,13 +40,14 @@ def problems(args: Any) -> list[str]:
     # adacc train has no --ckpt-format: its checkpoints are plain torch files.
     checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
     if checkpoints and getattr(args, "ckpt_format", "torch") != "torch":
-        found.append("--adama checkpoints its moments as a plain torch state dict; add --ckpt-format torch "
-                     "(Megatron's distributed checkpoint format is not implemented for AdamA)")
+        found.append("--adama checkpoints its moments (each rank's shards with --use-distributed-optimizer) as plain "
+                     "torch files; add --ckpt-format torch (Megatron's distributed checkpoint formats are not "
+                     "implemented for AdamA)")
     return found
 
 
 def preflight(args: Any) -> None:
-    """AdamA's own checks of the flags (clipping, fp16, the DDP buffer's modes), before the model is built."""
+    """AdamA's own checks of the flags (clipping, fp16, overlap modes), before the model is built."""
     try:
         require(FEATURE, "megatron_adacc.optim.megatron", "check_supported")(args)
     except ValueError as exc:

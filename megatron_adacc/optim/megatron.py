@@ -1,11 +1,19 @@
-"""AdamA inside a megatron-core training loop (``adacc train --adama``).
+"""AdamA inside a megatron-core training loop (``adacc train --adama``, ``pretrain_gpt.py --adama``).
 
 Megatron's ``DistributedDataParallel`` allocates a persistent, contiguous fp32 ``main_grad`` buffer for the
 whole model and adds every micro-batch gradient into it; keeping that buffer would leave AdamA with nothing
 to save. :func:`setup_adama` therefore does not wrap the model with Megatron DDP at all: AdamA's
-post-accumulate-grad hooks fold each parameter's gradient into ``m`` and ``v`` and free it, and data
-parallelism is AdamA's own once-per-mini-batch all-reduce of ``m`` and ``v`` over Megatron's data-parallel
-group (seed 004, Appendix B).
+post-accumulate-grad hooks fold each parameter's gradient into ``m`` and ``v`` and free it. Data parallelism
+takes one of two forms:
+
+* replicated states (default): every rank folds its own micro-batches and AdamA all-reduces ``m`` and ``v``
+  once per mini-batch over Megatron's data-parallel group (seed 004, Appendix B): AdamA over ``N x M``
+  micro-batches;
+* ``--use-distributed-optimizer``: ``m``, ``v`` and the fp32 master weights are sharded as Megatron's distributed
+  optimizer shards them, each micro-batch's gradient is reduce-scattered bucket by bucket during backward and
+  folded by the rank that owns it, and the parameters are all-gathered after the step
+  (:class:`~megatron_adacc.optim.distributed.DistributedAdamA`): AdamA over ``N`` micro-batches of ``M x b``
+  samples, Adam for ``N = 1``; ``--clip-grad`` clips each micro-batch's gradient by its global norm.
 
 The returned optimizer quacks like a Megatron optimizer where a training loop touches it::
 
@@ -18,17 +26,7 @@ The returned optimizer quacks like a Megatron optimizer where a training loop to
 ``g = ∇f / N``; pass ``loss_divided_by_num_microbatches=False`` to a loop that backpropagates undivided
 losses, and AdamA applies the ``1/N`` itself.
 
-What is refused, and why (each with the fix in the error):
-
-* ``--clip-grad > 0``: global-norm clipping needs the whole mini-batch gradient, which never exists under
-  AdamA. Use ``--clip-grad 0``, optionally with per-tensor clipping of each micro-batch gradient
-  (``adama_clip_grad_per_tensor`` on the args).
-* fp16 (dynamic loss scaling): an overflowing micro-batch is already folded into ``m``/``v`` when it is
-  detected, so the step cannot be skipped. Use ``--bf16`` (no loss scaling needed).
-* ``--use-distributed-optimizer`` / ``--overlap-grad-reduce``: these are properties of Megatron's DDP
-  gradient buffer, which AdamA replaces.
-* pipeline parallelism, sequence parallelism, MoE and ``gradient_accumulation_fusion``: their gradients
-  need Megatron's cross-rank gradient reductions (or the ``main_grad`` buffer) before they are final.
+What is refused, and why (each with the fix in the error): see :func:`check_supported`.
 """
 
 from __future__ import annotations
@@ -40,8 +38,11 @@ import torch
 
 from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.optim.adama import AdamA
+from megatron_adacc.optim.distributed import DistributedAdamA
+from megatron_adacc.optim.layout import default_bucket_size
 
-__all__ = ["MegatronAdamA", "adama_param_groups", "check_supported", "num_microbatches", "setup_adama"]
+__all__ = ["MegatronAdamA", "MegatronDistributedAdamA", "adama_param_groups", "check_supported", "num_microbatches",
+           "setup_adama"]
 
 # Megatron's OptimizerConfig defaults (adam_beta1, adam_beta2, adam_eps).
 _DEFAULT_BETAS = (0.9, 0.999)
@@ -54,7 +55,7 @@ class MegatronAdamA:
     #: Gradients are folded into the moments during backward: a step can no longer be skipped after it.
     folds_gradients = True
 
-    def __init__(self, optimizer: AdamA, model_chunks: list[torch.nn.Module]) -> None:
+    def __init__(self, optimizer: AdamA | DistributedAdamA, model_chunks: list[torch.nn.Module]) -> None:
         self.optimizer = optimizer
         self.model_chunks = model_chunks
 
@@ -107,11 +108,7 @@ class MegatronAdamA:
 
     def reload_model_params(self, state_dict: Any = None) -> None:
         """Refresh the fp32 master weights from the model's parameters (after loading model weights)."""
-        with torch.no_grad():
-            for p in self.get_parameters():
-                st = self.optimizer.state.get(p, {})
-                if "master_param" in st:
-                    st["master_param"].copy_(p.detach().float())
+        self.optimizer.reload_model_params()
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -125,6 +122,18 @@ class MegatronAdamA:
             "AdamA checkpoints are plain torch state dicts (state_dict()/load_state_dict()); Megatron's "
             "distributed checkpoint format (sharded_state_dict) is not implemented for --adama."
         )
+
+
+class MegatronDistributedAdamA(MegatronAdamA):
+    """The facade over :class:`DistributedAdamA` (``--adama --use-distributed-optimizer``): its step reports the
+    largest micro-batch gradient norm when clipping, and its checkpoints hold this rank's shards."""
+
+    optimizer: DistributedAdamA
+
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """As :meth:`MegatronAdamA.step`; ``grad_norm`` is, with ``--clip-grad``, the largest global norm of the
+        step's micro-batch gradients before clipping (Megatron's grad norm when ``N = 1``), else ``None``."""
+        return True, self.optimizer.step(), None
 
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
@@ -162,40 +171,60 @@ def num_microbatches(args: Any, dp_size: int) -> int:
 def check_supported(args: Any, config: Any = None) -> None:
     """Raise :class:`~megatron_adacc.core.errors.IntegrationError` (a ``ValueError``) naming the flag to change
     for any combination AdamA cannot honour."""
-    clip = _arg(args, "clip_grad", 0.0)
-    if clip and clip > 0:
-        raise IntegrationError(
-            f"--adama cannot clip by the global gradient norm (--clip-grad {clip}): the mini-batch gradient "
-            "is never materialised (each micro-batch gradient is folded into Adam's moments and freed during "
-            "backward). Pass --clip-grad 0; to bound outliers, clip each parameter's micro-batch gradient "
-            "instead (--adama-clip-grad-per-tensor C; AdamA(clip_grad_per_tensor=C) from Python)."
-        )
+    _check_clipping(args)
     if _arg(args, "fp16", False) or (config is not None and getattr(config, "fp16", False)):
         raise IntegrationError(
             "--adama does not support --fp16: dynamic loss scaling skips steps whose gradients overflow, but "
             "AdamA has already folded them into m and v when the overflow is found. Use --bf16."
         )
-    for flag, attr in (("--use-distributed-optimizer", "use_distributed_optimizer"),
-                       ("--overlap-grad-reduce", "overlap_grad_reduce")):
-        if _arg(args, attr, False):
+    if _arg(args, "use_distributed_optimizer", False):
+        if _arg(args, "overlap_param_gather", False):
             raise IntegrationError(
-                f"--adama replaces Megatron's DDP gradient buffer, so {flag} (a mode of that buffer) has no "
-                f"meaning with it; drop {flag}. AdamA all-reduces m and v once per mini-batch instead."
-            )
+                "--adama --use-distributed-optimizer all-gathers the updated parameters at the end of its step; "
+                "overlapping that gather with the next forward is not implemented: drop --overlap-param-gather")
+    elif _arg(args, "overlap_grad_reduce", False):
+        raise IntegrationError(
+            "--adama without --use-distributed-optimizer reduces no gradients (it all-reduces m and v once per "
+            "mini-batch), so --overlap-grad-reduce has no meaning: drop it, or add --use-distributed-optimizer, "
+            "whose gradient reductions always overlap backward")
     if config is not None:
-        if getattr(config, "pipeline_model_parallel_size", 1) > 1:
-            raise IntegrationError("--adama supports pipeline-model-parallel size 1 only (tied embedding gradients "
-                             "would need Megatron's cross-stage reduction before folding).")
-        if getattr(config, "sequence_parallel", False):
-            raise IntegrationError("--adama does not support --sequence-parallel (layer-norm gradients need "
-                             "Megatron's tensor-parallel all-reduce before they are final).")
-        if getattr(config, "num_moe_experts", None):
-            raise IntegrationError("--adama does not support MoE models (expert gradients reduce over the expert "
-                             "data-parallel group).")
-        if getattr(config, "gradient_accumulation_fusion", False):
-            raise IntegrationError("--adama needs gradient_accumulation_fusion off "
-                             "(--no-gradient-accumulation-fusion): the fused wgrad GEMM writes into "
-                             "Megatron DDP's main_grad buffer, which AdamA does not allocate.")
+        _check_parallelism(config)
+
+
+def _check_clipping(args: Any) -> None:
+    clip = _arg(args, "clip_grad", 0.0)
+    distributed = _arg(args, "use_distributed_optimizer", False)
+    if clip and clip > 0 and not distributed:
+        raise IntegrationError(
+            f"--adama clips by the global gradient norm (--clip-grad {clip}) only with --use-distributed-optimizer, "
+            "which clips each micro-batch's reduced gradient by its global norm before folding it (the mini-batch "
+            "gradient never exists); add --use-distributed-optimizer, or pass --clip-grad 0 (per-tensor "
+            "clipping of each micro-batch gradient: --adama-clip-grad-per-tensor C)."
+        )
+    if distributed and _arg(args, "adama_clip_grad_per_tensor", None) is not None:
+        raise IntegrationError(
+            "--adama-clip-grad-per-tensor needs whole tensors on one rank, but --use-distributed-optimizer gives "
+            "each rank slices of them; clip by the micro-batch's global norm instead: --clip-grad C")
+
+
+def _check_parallelism(config: Any) -> None:
+    """The parallel modes whose gradients need Megatron's cross-rank reductions before they are final."""
+    if getattr(config, "pipeline_model_parallel_size", 1) > 1:
+        raise IntegrationError("--adama supports pipeline-model-parallel size 1 only (tied embedding gradients "
+                               "would need Megatron's cross-stage reduction before folding).")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise IntegrationError("--adama supports --context-parallel-size 1 only (each sequence's gradient is summed "
+                               "over the context-parallel ranks before it is final).")
+    if getattr(config, "sequence_parallel", False):
+        raise IntegrationError("--adama does not support --sequence-parallel (layer-norm gradients need "
+                               "Megatron's tensor-parallel all-reduce before they are final).")
+    if getattr(config, "num_moe_experts", None):
+        raise IntegrationError("--adama does not support MoE models (expert gradients reduce over the expert "
+                               "data-parallel group).")
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise IntegrationError("--adama needs gradient_accumulation_fusion off "
+                               "(--no-gradient-accumulation-fusion): the fused wgrad GEMM writes into "
+                               "Megatron DDP's main_grad buffer, which AdamA does not allocate.")
 
 
 def adama_param_groups(model_chunks: list[torch.nn.Module], lr: float, min_lr: float | None
@@ -237,7 +266,8 @@ def setup_adama(args: Any, model_chunks: list[torch.nn.Module], config: Any = No
     Args:
         args: parsed ``adacc train`` / Megatron-LM arguments (``lr``, ``min_lr``, ``weight_decay``,
             ``micro_batch_size``, ``global_batch_size``, ``clip_grad``, ``bf16``; optional ``adam_beta1``,
-            ``adam_beta2``, ``adam_eps``, ``adama_clip_grad_per_tensor``).
+            ``adam_beta2``, ``adam_eps``, ``adama_clip_grad_per_tensor``, ``use_distributed_optimizer``,
+            ``ddp_bucket_size``, ``accumulate_allreduce_grads_in_fp32``).
         model_chunks: the models (``GPTModel`` or ``Float16Module``); they must *not* be wrapped in Megatron
             DDP, whose gradient buffer is exactly what AdamA removes.
         config: the ``TransformerConfig`` (checked for unsupported parallel modes).
@@ -261,22 +291,31 @@ def setup_adama(args: Any, model_chunks: list[torch.nn.Module], config: Any = No
 
         group = parallel_state.get_data_parallel_group()
         _broadcast_params(model_chunks, group)
-    n = num_microbatches(args, dp_size)
     lr = float(_arg(args, "lr", 1e-3))
-    optimizer = AdamA(
-        adama_param_groups(model_chunks, lr, _arg(args, "min_lr", None)),
-        lr=lr,
-        betas=(float(_arg(args, "adam_beta1", _DEFAULT_BETAS[0])),
-               float(_arg(args, "adam_beta2", _DEFAULT_BETAS[1]))),
-        eps=float(_arg(args, "adam_eps", _DEFAULT_EPS)),
-        weight_decay=float(_arg(args, "weight_decay", 0.0)),
-        decoupled_weight_decay=True,  # Megatron's Adam is AdamW
-        num_microbatches=n,
-        scale_by_num_microbatches=not loss_divided_by_num_microbatches,
-        clip_grad_per_tensor=_arg(args, "adama_clip_grad_per_tensor", None),
-        data_parallel_group=group,
-    )
+    common = dict(lr=lr, betas=(float(_arg(args, "adam_beta1", _DEFAULT_BETAS[0])),
+                                float(_arg(args, "adam_beta2", _DEFAULT_BETAS[1]))),
+                  eps=float(_arg(args, "adam_eps", _DEFAULT_EPS)), weight_decay=float(_arg(args, "weight_decay", 0.0)),
+                  num_microbatches=num_microbatches(args, dp_size),
+                  scale_by_num_microbatches=not loss_divided_by_num_microbatches, data_parallel_group=group)
+    groups = adama_param_groups(model_chunks, lr, _arg(args, "min_lr", None))
+    if _arg(args, "use_distributed_optimizer", False):
+        reduce_in_fp32 = _arg(args, "accumulate_allreduce_grads_in_fp32", True)
+        optimizer: AdamA | DistributedAdamA = DistributedAdamA(
+            groups, **common, clip_grad=float(_arg(args, "clip_grad", 0.0)),
+            bucket_size=_arg(args, "ddp_bucket_size", None) or default_bucket_size(dp_size),
+            grad_reduce_dtype=torch.float32 if reduce_in_fp32 else _param_dtype(model_chunks),
+            pad_for_high_nccl_busbw=bool(_arg(args, "ddp_pad_buckets_for_high_nccl_busbw", False)),
+            model_chunks=model_chunks)
+        facade: MegatronAdamA = MegatronDistributedAdamA(optimizer, model_chunks)
+    else:
+        optimizer = AdamA(groups, **common, decoupled_weight_decay=True,  # Megatron's Adam is AdamW
+                          clip_grad_per_tensor=_arg(args, "adama_clip_grad_per_tensor", None))
+        facade = MegatronAdamA(optimizer, model_chunks)
     # Megatron's scheduler keys are set on the groups; apply wd_mult to the initial weight decay.
     for g in optimizer.param_groups:
         g["weight_decay"] = g["weight_decay"] * g.get("wd_mult", 1.0)
-    return model_chunks, MegatronAdamA(optimizer, model_chunks)
+    return model_chunks, facade
+
+
+def _param_dtype(model_chunks: list[torch.nn.Module]) -> torch.dtype:
+    return next(p for chunk in model_chunks for p in chunk.parameters()).dtype

@@ -80,6 +80,10 @@ class Case:
 RESIREDUCE_SCHEMES = tuple(s for s in SCHEMES if s != "none")
 #: AdamA never holds the mini-batch gradient, so Megatron's global clipping is off (``--clip-grad 0``).
 ADAMA = ("--adama", "--clip-grad", "0", "--ckpt-format", "torch")
+#: AdamA sharded like Megatron's distributed optimizer, clipping each micro-batch's gradient by its global norm
+#: (buckets well below the model, as a real run's are), 6 iterations: CI's time is tight.
+ADAMA_DO = ("--adama", "--use-distributed-optimizer", "--clip-grad", "1.0", "--ddp-bucket-size", "8000",
+            "--ckpt-format", "torch")
 AUTO = ("--adacc-policy", "auto")
 #: GACT's adaptive bits, re-allocated every 2 iterations so that a resumed run depends on the saved widths.
 GACT = ("--gact-level", "L2", "--gact-adapt-interval", "2")
@@ -123,6 +127,8 @@ CASES: tuple[Case, ...] = (
     Case("auto-warm", AUTO, budget_from="auto-int4", profile_db="cold", reference="auto-cold"),
     Case("adama", ADAMA, trains=True),
     Case("adama-resume", ADAMA, resume_at=5, reference="adama"),
+    Case("adama-do-dp2", ADAMA_DO, nproc=2, trains=True, iterations=6),
+    Case("adama-do-dp2-resume", ADAMA_DO, nproc=2, iterations=6, resume_at=3, reference="adama-do-dp2"),
     Case("gact", GACT, trains=True),
     Case("gact-resume", GACT, resume_at=5, reference="gact"),
     # The SDPA layer: stock Megatron-LM and Adacc on the same attention.

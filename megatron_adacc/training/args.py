@@ -124,8 +124,10 @@ def parse_train_args(argv: list[str] | None = None, parser: argparse.ArgumentPar
     parser.set_defaults(**load_config(first.config, parser))
     args = parser.parse_args(argv)
     given = list(argv if argv is not None else sys.argv[1:])
-    if args.adama and args.clip_grad and "--clip-grad" not in given:
-        args.clip_grad = 0.0  # the config's global clipping cannot apply to AdamA; an explicit flag is refused
+    if args.adama and args.clip_grad and "--clip-grad" not in given and not args.use_distributed_optimizer:
+        # The config's global clipping has no meaning for replicated AdamA (an explicit flag is refused there);
+        # with the distributed optimizer it clips each micro-batch's gradient.
+        args.clip_grad = 0.0
     _check_shapes(args, given if feature_flags_need_feature else [])
     if args.vocab_size:  # Megatron-LM's name for the model's vocabulary, which the model signature reads
         args.padded_vocab_size = padded_vocab(args.vocab_size, args.make_vocab_size_divisible_by)

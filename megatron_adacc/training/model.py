@@ -101,7 +101,7 @@ def wrap_ddp(args: SimpleNamespace, config, model: torch.nn.Module):
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
-        bucket_size=None if not args.overlap_grad_reduce else 40_000_000,
+        bucket_size=None if not args.overlap_grad_reduce else args.ddp_bucket_size,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 

@@ -314,6 +314,9 @@ def flag_cases() -> list[Case]:
         ("adacc-flag-with-adacc-off", ("--adacc-memory-budget", "1GiB"), "--adacc-memory-budget", False),
         ("adama-per-tensor-negative", ("--adama", "--clip-grad", "0", "--adama-clip-grad-per-tensor", "-1"),
          "--adama-clip-grad-per-tensor", False),
+        ("adama-distributed-per-tensor", ("--adama", "--use-distributed-optimizer", "--adama-clip-grad-per-tensor",
+                                          "1"), "--adama-clip-grad-per-tensor", False),
+        ("ddp-bucket-size-zero", ("--ddp-bucket-size", "0"), "--ddp-bucket-size", False),
     ]
     cases += [Case(f"flags/{name}", (*TRAIN, *flags), names, None, ci) for name, flags, names, ci in pairs]
     return cases

@@ -31,6 +31,7 @@ FEATURES = {
     "adacc-auto": lambda tmp: _auto_with_compression(tmp),
     "gact-L1": ["--gact-level", "L1"],
     "adama": ["--adama", "--clip-grad", "0"],
+    "adama-distributed": ["--adama", "--use-distributed-optimizer", "--clip-grad", "0", "--ddp-bucket-size", "5000"],
     **{f"resireduce-{s}-topk": ["--resireduce", s, "--grad-compressor", "topk"] for s in RESIREDUCE_SCHEMES},
     **{f"resireduce-w+2d-{c}": ["--resireduce", "w+2d", "--grad-compressor", c] for c in ("dgc", "qsgd")},
 }

@@ -105,12 +105,20 @@ def test_train_loop_adama_and_exact_resume(tmp_path):
 
 
 def test_unsupported_combinations_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="--clip-grad 0"):
+    with pytest.raises(ValueError, match="add --use-distributed-optimizer, or pass --clip-grad 0"):
         check_supported(adama_args(clip_grad=1.0))
+    check_supported(adama_args(clip_grad=1.0, use_distributed_optimizer=True))  # clips each micro-batch
     with pytest.raises(ValueError, match="--bf16"):
         check_supported(adama_args(fp16=True))
-    with pytest.raises(ValueError, match="drop --use-distributed-optimizer"):
-        check_supported(adama_args(use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match="drop --overlap-param-gather"):
+        check_supported(adama_args(use_distributed_optimizer=True, overlap_param_gather=True))
+    with pytest.raises(ValueError, match="instead: --clip-grad C"):
+        check_supported(adama_args(use_distributed_optimizer=True, adama_clip_grad_per_tensor=1.0))
+    with pytest.raises(ValueError, match="drop it, or add --use-distributed-optimizer"):
+        check_supported(adama_args(overlap_grad_reduce=True))
+    check_supported(adama_args(overlap_grad_reduce=True, use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match="--context-parallel-size 1"):
+        check_supported(adama_args(), SimpleNamespace(context_parallel_size=2))
     with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
         check_supported(adama_args(), SimpleNamespace(gradient_accumulation_fusion=True))
     with pytest.raises(ValueError, match="not a multiple"):
