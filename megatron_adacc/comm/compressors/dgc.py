@@ -10,7 +10,7 @@ import torch
 
 from megatron_adacc.comm.base import Compressor, PayloadSpec
 from megatron_adacc.comm.compressors._generator import DeviceGenerator
-from megatron_adacc.comm.compressors.topk import check_density, k_for
+from megatron_adacc.comm.compressors.topk import TopKCompressor, check_density, k_for
 
 
 class DGCCompressor(Compressor):
@@ -68,6 +68,12 @@ class DGCCompressor(Compressor):
         values = torch.where(passes, flat[top.indices], 0)
         indices = torch.where(passes, top.indices, 0).to(torch.int32)
         return [values, indices]
+
+    def for_owner(self, world: int) -> TopKCompressor:
+        """Top-k at ``min(world, OWNER_ENTRIES)`` times the density
+        (:data:`~megatron_adacc.comm.compressors.topk.OWNER_ENTRIES`): the owner selects among at most
+        ``world k`` entries, where a sampled threshold saves nothing."""
+        return TopKCompressor(self.density).for_owner(world)
 
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
         values, indices = payload
