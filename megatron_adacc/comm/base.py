@@ -58,9 +58,9 @@ class Compressor(ABC):
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
         """``out += alpha * decompress(payload)`` in place; ``out`` has the shape of the compressed tensor."""
 
-    def for_owner(self, world: int) -> Compressor:
-        """The compressor that compresses again, on its owner, the sum of ``world`` ranks' decompressed payloads
-        for a shard (the compressed reduce-scatter, :mod:`megatron_adacc.comm.reduce_scatter`): its payload is what
+    def for_owner(self) -> Compressor:
+        """The compressor that compresses again, on its owner, the sum of every rank's decompressed payload for a
+        shard (the compressed reduce-scatter, :mod:`megatron_adacc.comm.reduce_scatter`): its payload is what
         every rank then receives, and what it drops waits in the owner's residual. This compressor by default."""
         return self
 

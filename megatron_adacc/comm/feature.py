@@ -42,9 +42,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="How compressed gradients travel between N data-parallel ranks, P one rank's payload. "
                         "allgather: every rank receives every payload, (N-1)*P bytes sent and received per "
                         "rank. reduce-scatter: each rank owns 1/N of every bucket, receives that part of every "
-                        "payload, compresses their sum again (topk/dgc keep up to 4 payloads' entries, qsgd "
+                        "payload, compresses their sum again (topk/dgc keep 4 payloads' entries, qsgd "
                         "127 levels; what that drops waits in an owner residual of 1/N of the gradients) and "
-                        "all-gathers it: about (1+min(N,4))*(N-1)/N*P each way for topk/dgc, 2*(N-1)/N*P for "
+                        "all-gathers it: about 5*(N-1)/N*P each way for topk/dgc, 2*(N-1)/N*P for "
                         "qsgd, (N-1)/N*P with --use-distributed-optimizer. auto (default): the fewer bytes, "
                         "i.e. allgather up to 5 ranks for topk/dgc and 2 for qsgd, reduce-scatter beyond, and "
                         "from 2 ranks with the distributed optimizer. docs/resireduce.md has the details.")

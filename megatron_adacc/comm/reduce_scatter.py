@@ -22,12 +22,12 @@ intra-layer compression act on the ranks' residuals only: a shard cuts across pa
 have no layer to share with, and at ``1 / N`` of the size there is little to save.
 
 ``Q'`` is where this transport differs from the all-gather, which applies the sum itself: the sum of ``N``
-top-k payloads holds up to ``N k`` entries, of which the owner keeps ``min(N, OWNER_ENTRIES) k`` (all of them up
-to 4 ranks); QSGD's sum is quantized again with 127 levels. What ``Q'`` drops reaches the model later, through
+top-k payloads holds up to ``N k`` entries, of which the owner keeps ``OWNER_ENTRIES k = 4 k`` (all of them up to
+4 ranks); QSGD's sum is quantized again with 127 levels. What ``Q'`` drops reaches the model later, through
 ``E``.
 
 Bytes per rank and batch, ``S_j`` the packed payloads of shard ``j`` (about ``P / N``, ``P`` one rank's
-payload) and ``R_j`` what its owner returns (about ``min(N, 4) P / N`` for top-k and DGC, ``P / N`` for
+payload) and ``R_j`` what its owner returns (about ``4 P / N`` for top-k and DGC, ``P / N`` for
 QSGD): ``sent = sum_{j != rank} S_j + (N - 1) max_j R_j``, ``received = (N - 1) (S_rank + max_j R_j)``, about
 ``(N - 1) / N (P + N R)`` each way, against the all-gather's ``(N - 1) P``; ``(N - 1) / N P`` with the
 distributed optimizer.
@@ -139,7 +139,7 @@ class CompressedReduceScatter(Communicator):
     def _reduce_and_gather(self, route: _Route, compressor: Compressor, per_rank, residuals: list[torch.Tensor],
                            views: list[torch.Tensor], group: Any, traffic: Traffic) -> None:
         """Steps 3 and 4: reduce and re-compress the own pieces into ``residuals``, all-gather, decompress."""
-        plan, again = route.plan, compressor.for_owner(route.plan.world)
+        plan, again = route.plan, compressor.for_owner()
         reduced = []
         for k, residual in enumerate(residuals):
             for payloads in per_rank:

@@ -5,7 +5,7 @@ otherwise whichever of the all-gather (:mod:`.communicator`) and the compressed 
 (:mod:`.reduce_scatter`) moves fewer bytes through the busiest rank, by the transports' byte model
 (:meth:`~megatron_adacc.comm.base.Communicator.traffic`). A tie goes to the all-gather: one collective and one
 compression. With ``P`` one rank's payload, the all-gather moves ``(N - 1) P`` each way; the reduce-scatter
-about ``(1 + min(N, 4)) (N - 1) / N P`` for top-k and DGC (their owners return up to four times the entries)
+about ``5 (N - 1) / N P`` for top-k and DGC (their owners return four times the entries)
 and ``2 (N - 1) / N P`` for QSGD, so ``auto`` all-gathers up to 5 ranks for top-k and DGC and 2 for QSGD, and
 reduce-scatters beyond; with the distributed optimizer, which needs only the own shard, the reduce-scatter
 moves ``(N - 1) / N P`` and is chosen from 2. One process communicates nothing and keeps the all-gather's
@@ -62,7 +62,7 @@ def plan_for(communicator: Communicator, compressor: Compressor, buckets: Sequen
     def specs(c: Compressor) -> tuple:
         return tuple(tuple(c.layout(p.stop - p.start, buckets[p.bucket].data.dtype)) for p in pieces)
 
-    owner_specs = specs(compressor.for_owner(world)) if communicator.recompresses and not shard_only else None
+    owner_specs = specs(compressor.for_owner()) if communicator.recompresses and not shard_only else None
     plan = Plan(pieces, specs(compressor), world, rank, shard_only, key, owner_specs)
     return Route(communicator, plan, tuple(communicator.traffic(plan)))
 

@@ -96,8 +96,8 @@ def reference(world: int, transport: str, compressor: str, shard_only: bool, ave
             out = total
             if transport == "reduce-scatter" and not shard_only:
                 out = torch.zeros_like(total)
-                for _, lo, hi in pieces:  # the owner keeps min(N, OWNER_ENTRIES) times the entries
-                    out[lo:hi] = q(total[lo:hi], compressor, min(world, OWNER_ENTRIES))
+                for _, lo, hi in pieces:  # the owner keeps OWNER_ENTRIES times the entries
+                    out[lo:hi] = q(total[lo:hi], compressor, OWNER_ENTRIES)
                 owner[b] = total - out
             reduced.append(out / world if average else out)
         steps.append(reduced)

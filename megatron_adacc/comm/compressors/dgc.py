@@ -69,11 +69,10 @@ class DGCCompressor(Compressor):
         indices = torch.where(passes, top.indices, 0).to(torch.int32)
         return [values, indices]
 
-    def for_owner(self, world: int) -> TopKCompressor:
-        """Top-k at ``min(world, OWNER_ENTRIES)`` times the density
-        (:data:`~megatron_adacc.comm.compressors.topk.OWNER_ENTRIES`): the owner selects among at most
-        ``world k`` entries, where a sampled threshold saves nothing."""
-        return TopKCompressor(self.density).for_owner(world)
+    def for_owner(self) -> TopKCompressor:
+        """Top-k's (:meth:`TopKCompressor.for_owner`): the owner selects among at most ``N k`` entries, where a
+        sampled threshold saves nothing."""
+        return TopKCompressor(self.density).for_owner()
 
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
         values, indices = payload

@@ -18,10 +18,10 @@ def k_for(numel: int, density: float) -> int:
     return max(1, min(numel, math.ceil(round(density * numel, 6))))
 
 
-#: Under the compressed reduce-scatter, the owner of a shard keeps of the sum of N ranks' top-k (up to N k entries)
-#: min(N, OWNER_ENTRIES) k: all of them up to 4 ranks. After 100 steps of the
-#: benchmark's quick model, keeping k left the loss 4.3% above the all-gather's at 4 ranks, 2 k 1.2% (1.7% at 8),
-#: 4 k as the all-gather's at 4 and 8 (docs/resireduce.md). Bytes stay flat in N: (1 + 4)(N-1)/N P at most.
+#: Under the compressed reduce-scatter, the owner of a shard keeps OWNER_ENTRIES k of the sum of N ranks' top-k (up
+#: to N k entries): all of them up to 4 ranks. After 100 steps of the benchmark's quick model, keeping k left the
+#: loss 4.3% above the all-gather's at 4 ranks, 2 k 1.2% (1.7% at 8), 4 k within 0.4% at 4 and 8
+#: (docs/resireduce.md). A constant, so that the bytes follow the ring law at every N: 5 (N-1)/N P.
 OWNER_ENTRIES = 4
 
 
@@ -62,9 +62,9 @@ class TopKCompressor(Compressor):
         indices = flat.abs().topk(self.k(flat.numel()), sorted=False).indices
         return [flat[indices], indices.to(torch.int32)]
 
-    def for_owner(self, world: int) -> TopKCompressor:
-        """Top-k keeping ``min(world, OWNER_ENTRIES)`` times this one's entries."""
-        return TopKCompressor(self.density, min(world, OWNER_ENTRIES))
+    def for_owner(self) -> TopKCompressor:
+        """Top-k keeping :data:`OWNER_ENTRIES` times this one's entries."""
+        return TopKCompressor(self.density, OWNER_ENTRIES)
 
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
         values, indices = payload
