@@ -131,6 +131,18 @@ def write_results(name: str, config: dict, methods: dict, extra: dict | None = N
     return path
 
 
+def update_results(name: str, sections: dict, args=None) -> Path:
+    """Replace top-level ``sections`` of ``benchmarks/results/NAME.json``, keeping the rest (a section measured
+    alone, where the machine does not matter: bytes); the machine it was measured on is kept beside it."""
+    path = results_dir(args) / f"{name}.json"
+    payload = json.loads(path.read_text()) if path.is_file() else {"benchmark": name, "methods": {}}
+    payload.update(sections)
+    payload.setdefault("measured_separately", {}).update({key: machine_info() for key in sections})
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+    LOG.info("wrote %s", path)
+    return path
+
+
 def _jsonable(value):
     if hasattr(value, "item"):
         return value.item()

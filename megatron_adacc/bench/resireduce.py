@@ -1,7 +1,10 @@
-"""ResiReduce (seed 001): residual schemes side by side on 2 data-parallel ranks (gloo on CPU).
+"""ResiReduce (seed 001): residual schemes side by side on 2 data-parallel ranks (gloo on CPU), and the bytes
+each transport moves per rank at 2, 4 and 8 ranks.
 
-Methods: ``no_compression`` (Megatron's all-reduce), ``ef_residual`` (Top-k with plain error feedback, the
-paper's Baseline) and the ResiReduce schemes ``resireduce_a / _w / _d / _2d / _w2d`` with the same compressor.
+Methods: ``no_compression`` (Megatron's all-reduce), ``ef_residual`` (Top-k with plain error feedback and
+payloads all-gathered, the paper's Baseline), ``ef_residual_reduce_scatter`` (the same through the compressed
+reduce-scatter, whose loss should stay within 1% of ``ef_residual``'s) and the ResiReduce schemes
+``resireduce_a / _w / _d / _2d / _w2d`` with the same compressor (transport chosen by ``auto``).
 Per method: residual memory (``residual_bytes``), model-state memory (``model_state_bytes``: parameters,
 gradient buffers, optimizer states and residuals, measured from the storages actually allocated), bytes this
 rank sends per step, step time (median), and the loss after a fixed number of steps on the embedded corpus
@@ -15,23 +18,29 @@ method with a fixed mmap threshold (see megatron_adacc/bench/common.py); ``--qui
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 
+from megatron_adacc.bench import _resireduce_transport as transport
 from megatron_adacc.bench import harness
 from megatron_adacc.core.errors import IntegrationError
 from megatron_adacc.core.log import Steps, echo
+from megatron_adacc.core.tables import format_table
 
 SCHEMES = {
     "no_compression": "off",
     "ef_residual": "residual",
+    "ef_residual_reduce_scatter": "residual",
     "resireduce_a": "a",
     "resireduce_w": "w",
     "resireduce_d": "d",
     "resireduce_2d": "2d",
     "resireduce_w2d": "w+2d",
 }
+#: The transport a method forces (the others take ``auto``): the Baseline all-gathers, as before there was a choice.
+TRANSPORT = {"ef_residual": "allgather", "ef_residual_reduce_scatter": "reduce-scatter"}
 
 # 8 layers of hidden 128: four reusable groups per layer type at group size 4; the tied word embedding and
 # the position embedding are the specific layers. Quick: 4 layers of hidden 64.
@@ -50,18 +59,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resireduce-ratio", type=float, default=0.5)
     parser.add_argument("--methods", default=",".join(SCHEMES), help="Comma-separated subset of the methods.")
     parser.add_argument("--nproc", type=int, default=2, help="Data-parallel ranks (torchrun processes).")
+    parser.add_argument("--transport-ranks", type=_rank_counts, default=None, metavar="N,N,...",
+                        help="Ranks at which the transports' bytes are counted (default 2,4,8; 2,4 quick; '' to "
+                             "skip).")
+    parser.add_argument("--transport-compressors", type=_compressors, default=None, metavar="C,C,...",
+                        help="Compressors whose transports' bytes are counted (default topk,qsgd; topk quick).")
+    parser.add_argument("--transport-only", action="store_true",
+                        help="Count the transports' bytes only, and replace the 'transport' rows of the results "
+                             "file already written (bytes do not depend on the machine).")
+
+
+def _rank_counts(text: str) -> list[int]:
+    counts = [n.strip() for n in text.split(",") if n.strip()]
+    if not all(n.isdigit() and int(n) >= 2 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: rank counts of 2 or more, comma-separated (e.g. 2,4,8)")
+    return [int(n) for n in counts]
+
+
+def _compressors(text: str) -> list[str]:
+    names = [c for c in text.split(",") if c]
+    if not names or not set(names) <= {"topk", "dgc", "qsgd"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: compressors among topk, dgc, qsgd, comma-separated")
+    return names
 
 
 def _flags(args, scheme: str, iters: int) -> list[str]:
     model = MODEL_QUICK if args.quick else MODEL_FULL
+    micro, batch = (int(model[model.index(flag) + 1]) for flag in ("--micro-batch-size", "--global-batch-size"))
     flags = ["--device", "cpu", "--no-progress", "--train-iters", str(iters), "--lr", "3e-3", "--min-lr",
              "3e-4", "--lr-warmup-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0", *model,
-             "--resireduce", scheme]
+             "--global-batch-size", str(max(batch, micro * args.nproc)), "--resireduce", scheme]
     if scheme != "off":
         flags += ["--grad-compressor", args.grad_compressor, "--grad-compress-density",
                   str(args.grad_compress_density), "--resireduce-group-size", str(args.resireduce_group_size),
                   "--resireduce-ratio", str(args.resireduce_ratio)]
     return flags
+
+
+def _method_flags(args, name: str, iters: int) -> list[str]:
+    flags = _flags(args, SCHEMES[name], iters)
+    return flags + (["--resireduce-transport", TRANSPORT[name]] if name in TRANSPORT else [])
 
 
 def _launch(runs: list[dict], nproc: int, low_fragmentation: bool = False, timeout: float = 3600) -> dict:
@@ -70,55 +107,24 @@ def _launch(runs: list[dict], nproc: int, low_fragmentation: bool = False, timeo
 
 
 def run(args) -> dict:
+    ranks = args.transport_ranks if args.transport_ranks is not None else [2, 4] if args.quick else [2, 4, 8]
+    compressors = args.transport_compressors or (["topk"] if args.quick else ["topk", "qsgd"])
+    if args.transport_only:
+        step = Steps(len(ranks), "resireduce")
+        rows = _transport_rows(args, ranks, compressors, step)
+        step.close()
+        harness.update_results("resireduce", {"transport": rows}, args=args)
+        return {}
     iters = args.train_iters or (4 if args.quick else 60)
     rounds = args.rounds or (1 if args.quick else 3)
     names = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(names) - set(SCHEMES))
     if unknown:
         raise IntegrationError(f"--methods: unknown {unknown}; known: {', '.join(SCHEMES)}")
-    order = []
-    for r in range(rounds):
-        order += names if r % 2 == 0 else names[::-1]
-    step = Steps(1 + (0 if args.quick else len(names)) + 1, "resireduce")
-    step(f"timing {len(names)} methods x {rounds} round(s), {iters} steps each, {args.nproc} ranks")
-    timed = _launch([{"name": n, "flags": _flags(args, SCHEMES[n], iters)} for n in order], args.nproc)
-
-    methods: dict[str, dict] = {}
-    for name in names:
-        results = timed[name]
-        first = results[0]
-        methods[name] = {
-            "step_time_s": statistics.median(r["step_time_s"] for r in results),
-            "step_time_s_per_round": [r["step_time_s"] for r in results],
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
-            "final_loss": first["final_loss"],
-            "mean_loss_last5": statistics.fmean(first["losses"][-5:]),
-            "residual_bytes": first["residual_bytes"],
-            "model_state_bytes": first["model_state_bytes"],
-            "param_bytes": first["param_bytes"],
-            "grad_bytes": first["grad_bytes"],
-            "optimizer_state_bytes": first["optimizer_state_bytes"],
-            "bytes_sent_per_step": first["bytes_sent_per_step"],
-            "compression_ratio": first["uncompressed_bytes_per_step"] / max(1, first["bytes_sent_per_step"]),
-            "peak_memory_bytes": None,
-            "losses": first["losses"],
-        }
-        if any(r["losses"] != first["losses"] for r in results[1:]):
-            methods[name]["note"] = "losses differ between rounds (non-deterministic run)"
-    if not args.quick:
-        for name in names:
-            step(f"peak memory of {name}")
-            mem = _launch([{"name": name, "flags": _flags(args, SCHEMES[name], min(iters, 10))}], args.nproc,
-                          low_fragmentation=True)
-            methods[name]["peak_memory_bytes"] = mem[name][0]["peak_memory_bytes"]
-            methods[name]["peak_memory_source"] = "rank 0 peak RSS, MALLOC_MMAP_THRESHOLD_=65536 run"
-
-    step("compression pipeline without communication")
-    overhead = _reduce_overhead(args, timed["_slots"], [n for n in names if SCHEMES[n] != "off"],
-                                reps=5 if args.quick else 30)
+    step = Steps(1 + (0 if args.quick else len(names)) + 1 + len(ranks), "resireduce")
+    methods = _train_methods(args, names, iters, rounds, step)
+    rows = _transport_rows(args, ranks, compressors, step)
     step.close()
-    for name, seconds in overhead.items():
-        methods[name]["reduce_overhead_s"] = seconds
     goals = _goals(methods)
     harness.print_table(
         methods, baseline="ef_residual" if "ef_residual" in methods else None,
@@ -127,6 +133,10 @@ def run(args) -> dict:
         title=f"ResiReduce, {args.nproc} ranks on CPU, {args.grad_compressor} density "
               f"{args.grad_compress_density}, {iters} steps, {rounds} round(s)")
     for name, g in goals.items():
+        if name == "ef_residual_reduce_scatter":
+            echo(f"{name}: loss {g['loss_change_pct']:+.2f}% against the all-gather's (goal <= +1%), "
+                 f"{g['bytes_sent_per_step_ratio']:.2f}x its bytes sent per step")
+            continue
         echo(f"{name}: model state {g['model_state_saving_pct']:+.1f}% smaller than ef_residual (goal >= 13%),\n"
              f"  loss {g['loss_change_pct']:+.2f}% (goal <= +1%), step time {g['step_time_change_pct']:+.1f}% "
              f"(goal <= +2%; end to end, noisy on a shared CPU),\n  compression pipeline "
@@ -137,8 +147,62 @@ def run(args) -> dict:
          "grad_compressor": args.grad_compressor, "density": args.grad_compress_density,
          "group_size": args.resireduce_group_size, "ratio": args.resireduce_ratio,
          "flags": _flags(args, "w+2d", iters)},
-        methods, extra={"goals_vs_ef_residual": goals}, args=args)
+        methods, extra={"goals_vs_ef_residual": goals, "transport": rows}, args=args)
     return methods
+
+
+def _train_methods(args, names: list[str], iters: int, rounds: int, step) -> dict[str, dict]:
+    """Train every method (rounds alternating their order), measure peak memory and the pipeline's overhead."""
+    order = []
+    for r in range(rounds):
+        order += names if r % 2 == 0 else names[::-1]
+    step(f"timing {len(names)} methods x {rounds} round(s), {iters} steps each, {args.nproc} ranks")
+    timed = _launch([{"name": n, "flags": _method_flags(args, n, iters)} for n in order], args.nproc)
+    methods: dict[str, dict] = {}
+    for name in names:
+        results = timed[name]
+        first = results[0]
+        methods[name] = {
+            "step_time_s": statistics.median(r["step_time_s"] for r in results),
+            "step_time_s_per_round": [r["step_time_s"] for r in results],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+            "final_loss": first["final_loss"],
+            "mean_loss_last5": statistics.fmean(first["losses"][-5:]),
+            **{key: first[key] for key in ("residual_bytes", "owner_residual_bytes", "model_state_bytes",
+                                           "param_bytes", "grad_bytes", "optimizer_state_bytes",
+                                           "bytes_sent_per_step", "transport")},
+            "compression_ratio": first["uncompressed_bytes_per_step"] / max(1, first["bytes_sent_per_step"]),
+            "peak_memory_bytes": None,
+            "losses": first["losses"],
+        }
+        if any(r["losses"] != first["losses"] for r in results[1:]):
+            methods[name]["note"] = "losses differ between rounds (non-deterministic run)"
+    if not args.quick:
+        for name in names:
+            step(f"peak memory of {name}")
+            mem = _launch([{"name": name, "flags": _method_flags(args, name, min(iters, 10))}], args.nproc,
+                          low_fragmentation=True)
+            methods[name]["peak_memory_bytes"] = mem[name][0]["peak_memory_bytes"]
+            methods[name]["peak_memory_source"] = "rank 0 peak RSS, MALLOC_MMAP_THRESHOLD_=65536 run"
+    step("compression pipeline without communication")
+    overhead = _reduce_overhead(args, timed["_slots"], [n for n in names if SCHEMES[n] != "off"],
+                                reps=5 if args.quick else 30)
+    for name, seconds in overhead.items():
+        methods[name]["reduce_overhead_s"] = seconds
+    return methods
+
+
+def _transport_rows(args, ranks: list[int], compressors: list[str], step) -> list[dict]:
+    """The ``transport`` rows (see :mod:`megatron_adacc.bench._resireduce_transport`), and their table."""
+    if not ranks:
+        return []
+    rows = transport.measure(MODEL_QUICK if args.quick else MODEL_FULL, ranks, compressors,
+                             args.grad_compress_density, step)
+    head, lines = transport.table_rows(rows)
+    echo(f"Bytes sent per rank per step, the busiest rank ({args.grad_compress_density} density for topk and "
+         f"dgc; received in the JSON; fit: a (N-1)/N + b (N-1) over the measured N)\n"
+         + format_table(head, lines, right=range(2, len(head))))
+    return rows
 
 
 def _reduce_overhead(args, slots: list, names: list[str], reps: int) -> dict[str, float]:
@@ -182,6 +246,12 @@ def _goals(methods: dict) -> dict:
     if base is None:
         return {}
     out = {}
+    transported = methods.get("ef_residual_reduce_scatter")
+    if transported is not None:  # the same error feedback through the other transport: the loss should hold
+        loss = 100 * (transported["mean_loss_last5"] / base["mean_loss_last5"] - 1)
+        out["ef_residual_reduce_scatter"] = {
+            "loss_change_pct": loss, "loss_goal_met": abs(loss) <= 1.0,
+            "bytes_sent_per_step_ratio": transported["bytes_sent_per_step"] / max(1, base["bytes_sent_per_step"])}
     for name, m in methods.items():
         if not name.startswith("resireduce"):
             continue
@@ -228,7 +298,8 @@ def _child(payload_path: str) -> None:
         captured.clear()
         summary = train(parse_train_args(spec["flags"]))
         report = summary["extensions"].get("resireduce", {})
-        state = measure_model_state([captured["ddp"]], captured["optimizer"], report.get("residual_bytes", 0))
+        state = measure_model_state([captured["ddp"]], captured["optimizer"], report.get("residual_bytes", 0),
+                                    report.get("owner_residual_bytes", 0))
         ddp = captured["ddp"]
         world = torch.distributed.get_world_size()
         uncompressed = sum(int(2 * (world - 1) / world * b.grad_data.numel() * b.grad_data.element_size())
@@ -240,6 +311,7 @@ def _child(payload_path: str) -> None:
             "final_loss": summary["final_loss"], "losses": summary["losses"],
             "peak_memory_bytes": summary["peak_memory_bytes"],
             "bytes_sent_per_step": report.get("bytes_sent_per_step", uncompressed),
+            "transport": report.get("transport"),
             "uncompressed_bytes_per_step": uncompressed,
             **state,
         })

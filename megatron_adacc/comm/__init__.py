@@ -1,8 +1,9 @@
 """ResiReduce: compressed gradient communication with reduced error-feedback residuals (seed paper 001).
 
 GRACE-shaped building blocks (:mod:`.base`): compressors (:mod:`.compressors`: topk, dgc, qsgd), memories
-(:mod:`.memories`: plain residual and ResiReduce a / w / d / 2d / w+2d), communicators
-(:mod:`.communicator`), strung together by :class:`.pipeline.CompressedReducer`. Integrations: Megatron
+(:mod:`.memories`: plain residual and ResiReduce a / w / d / 2d / w+2d), communicators, the transports
+(:mod:`.communicator`: all-gather, all-reduce; :mod:`.reduce_scatter`: the compressed reduce-scatter; chosen by
+:mod:`.transport`), strung together by :class:`.pipeline.CompressedReducer`. Integrations: Megatron
 DDP (:mod:`.megatron_ddp`), torch DDP communication hook (:mod:`.ddp_hook`), and `adacc train`
 (:mod:`.extension`). The feature's registry entry is :mod:`.feature`.
 """

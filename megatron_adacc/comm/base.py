@@ -4,14 +4,17 @@
   decompressed payload back into a dense tensor;
 * :class:`Memory` holds the error-feedback residuals: it *compensates* a gradient before compression and is
   *updated* with the new residual after it;
-* :class:`Communicator` moves the payloads of one batch of tensors between the data-parallel ranks.
+* :class:`Communicator` (a *transport*) moves the payloads of one batch between the data-parallel ranks and
+  leaves the sum of every rank's decompressed payload in the gradients.
 
-A "batch" is the set of tensors reduced together: one Megatron bucket group, or one PyTorch DDP bucket.
+A "batch" is the set of tensors reduced together: one Megatron bucket group (one or more :class:`GradBucket`),
+or one PyTorch DDP bucket.
 The pipeline that strings the three together lives in :mod:`megatron_adacc.comm.pipeline`.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_adacc.comm.wire import Moved, Traffic
 from megatron_adacc.core.saved import unique_storage_bytes
 
 
@@ -53,6 +57,12 @@ class Compressor(ABC):
     @abstractmethod
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
         """``out += alpha * decompress(payload)`` in place; ``out`` has the shape of the compressed tensor."""
+
+    def for_owner(self) -> Compressor:
+        """The compressor that compresses again, on its owner, the sum of every rank's decompressed payload for a
+        shard (the compressed reduce-scatter, :mod:`megatron_adacc.comm.reduce_scatter`): its payload is what
+        every rank then receives, and what it drops waits in the owner's residual. This compressor by default."""
+        return self
 
     def decompress(self, payload: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """The dense tensor a payload stands for (allocates; the pipeline uses :meth:`decompress_add`)."""
@@ -133,22 +143,108 @@ class Memory(ABC):
             t.copy_(src)
 
 
+@dataclass(frozen=True)
+class GradBucket:
+    """One flat gradient buffer reduced as a unit (a Megatron bucket's ``grad_data``, a torch DDP bucket) and where
+    each named parameter's gradient lies in it: ``params`` are ``(name, start, shape)``. The reduce-scatter transport
+    shards ``data`` across the ranks as Megatron's reduce-scatter does; ranges no parameter covers (Megatron's
+    padding) are never compressed."""
+
+    data: torch.Tensor
+    params: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> GradBucket:
+        """A bucket of one tensor (a gradient that lies in no larger buffer)."""
+        return cls(tensor.view(-1), ((name, 0, tuple(tensor.shape)),))
+
+    def named_views(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter's gradient, shaped as the parameter (views of :attr:`data`)."""
+        out = []
+        for name, start, shape in self.params:
+            numel = math.prod(shape)
+            out.append((name, self.data[start : start + numel].view(shape)))
+        return out
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every parameter in :attr:`data`."""
+        return [(start, start + math.prod(shape)) for _, start, shape in self.params]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The range ``[start, stop)`` of bucket ``bucket`` that the compressor compresses as one tensor; ``owner`` is
+    the rank that reduces it (reduce-scatter), ``None`` when every rank does (all-gather, all-reduce)."""
+
+    bucket: int
+    start: int
+    stop: int
+    owner: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one batch travels: its pieces in compression order, each piece's payload layout, and the ranks."""
+
+    pieces: tuple[Piece, ...]
+    specs: tuple[tuple[PayloadSpec, ...], ...]
+    world: int
+    rank: int
+    shard_only: bool = False
+    """Only the rank's own shard of each bucket has to hold the result (Megatron's distributed optimizer)."""
+    key: str = "0"
+    """The batch's name, the same in every run of the same model: it keys a transport's state in checkpoints."""
+    owner_specs: tuple[tuple[PayloadSpec, ...], ...] | None = None
+    """Each piece's payload layout once its owner has compressed the sum again (:meth:`Compressor.for_owner`),
+    for a transport that does."""
+
+
 class Communicator(ABC):
-    """Exchanges the payloads of one batch between the ranks of a process group."""
+    """Reduces one batch of compressed gradients between the ranks of a process group (a *transport*)."""
+
+    name: str = "communicator"
+    #: Whether the owner of a piece compresses the ranks' sum again before every rank receives it.
+    recompresses: bool = False
+
+    def split(self, buckets: Sequence[GradBucket], world: int, shard_only: bool) -> list[Piece]:
+        """The pieces the compressor compresses one by one: every parameter whole (layer-wise compression)."""
+        return [Piece(b, start, stop) for b, bucket in enumerate(buckets) for start, stop in bucket.ranges()]
 
     @abstractmethod
-    def exchange(self, payloads: list[list[torch.Tensor]], group: Any, async_op: bool) -> PendingExchange:
-        """Start sending ``payloads`` (one payload per tensor of the batch); returns a pending exchange."""
+    def traffic(self, plan: Plan) -> list[Moved]:
+        """The byte model: per rank, what one reduction of ``plan`` sends and receives, from the layouts alone."""
+
+    @abstractmethod
+    def start(self, plan: Plan, buckets: Sequence[GradBucket], payloads: list[list[torch.Tensor]],
+              compressor: Compressor, group: Any, async_op: bool, traffic: Traffic) -> PendingExchange:
+        """Start moving ``payloads`` (one per piece of ``plan``); the pending exchange's ``wait`` writes the reduced
+        gradient into the buckets (the own shards only, for ``shard_only``): the sum over ranks of every piece's
+        decompressed payload, compressed once more on its owner by the reduce-scatter."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State a resumed run needs (the reduce-scatter owners' residuals)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
+        """Restore :meth:`state_dict`."""
+
+    def residual_bytes(self) -> int:
+        """Bytes of error-feedback residual this transport holds beside the memory's."""
+        return 0
 
 
 class PendingExchange(ABC):
-    """An exchange in flight; :meth:`wait` returns, for every rank, the list of payloads it sent."""
+    """An exchange in flight; :meth:`wait` completes it and writes the reduced gradients in place."""
 
-    bytes_sent: int = 0
+    outputs: list[torch.Tensor]
+    """The views that hold the reduced sums once :meth:`wait` returns."""
+    work: Any = None
+    """The one collective still in flight when completing it is all :meth:`wait` waits for (a torch DDP hook
+    chains on its future); ``None`` when nothing or more than one collective is left."""
 
     @abstractmethod
-    def wait(self) -> list[list[list[torch.Tensor]]]:
-        """Block until done; ``result[rank][i]`` is rank ``rank``'s payload for tensor ``i``."""
+    def wait(self) -> None:
+        """Block until done; idempotent."""
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,11 @@ Usage::
     ddp.register_comm_hook(state, resireduce_hook)
 
 DDP hands the hook one flat bucket at a time. The bucket is averaged (divided by the world size, as DDP's
-default hook does), each parameter's slice is compensated, compressed and turned into its residual, the
-payloads are all-gathered asynchronously and the returned future completes with the decompressed sum.
+default hook does), each parameter's slice is compensated, compressed and turned into its residual, and the
+bucket is one batch of the transport (``transport``, :mod:`megatron_adacc.comm.transport`): the all-gather runs
+asynchronously and the returned future completes with the decompressed sum; the compressed reduce-scatter
+finishes inside the hook, because its all-gather can only start once its all-to-all is done, and a gloo
+collective's completion callback cannot wait for another collective.
 
 Reusable groups are formed inside each DDP bucket (a group must be reduced in one call, see
 :mod:`megatron_adacc.comm.groups`). DDP rebuilds its buckets once, after the first iteration, in gradient
@@ -24,8 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_adacc.comm.base import Compressor, Memory, ParamSlot
-from megatron_adacc.comm.pipeline import CompressedReducer, Traffic
+from megatron_adacc.comm.base import Compressor, GradBucket, Memory, ParamSlot
+from megatron_adacc.comm.options import DEFAULTS
+from megatron_adacc.comm.pipeline import CompressedReducer
+from megatron_adacc.comm.wire import Traffic
 
 
 class ResiReduceHookState:
@@ -37,6 +42,7 @@ class ResiReduceHookState:
         compressor: Compressor,
         memory_factory: Callable[[], Memory],
         process_group: Any = None,
+        transport: str = DEFAULTS.transport,
     ):
         module = getattr(model, "module", model)
         self.names = {p: n for n, p in module.named_parameters() if p.requires_grad}
@@ -44,6 +50,7 @@ class ResiReduceHookState:
         self.compressor = compressor
         self.memory_factory = memory_factory
         self.process_group = process_group
+        self.transport = transport
         self.reducers: dict[int, tuple[tuple[str, ...], CompressedReducer]] = {}
         self.traffic = Traffic()
         self._pending_state: dict[int, Any] = {}
@@ -57,21 +64,26 @@ class ResiReduceHookState:
                 [ParamSlot(self.names[p], tuple(p.shape), p.dtype, 0, p.device) for p in params],
                 self.all_slots,
             )
-            reducer = CompressedReducer(self.compressor, memory)
+            reducer = CompressedReducer(self.compressor, memory, self.transport)
             reducer.traffic = self.traffic
             saved = self._pending_state.pop(index, None)
             if saved is not None and saved["names"] == names:
                 memory.load_state_dict(saved["memory"])
+                for name, communicator in reducer.communicators.items():
+                    communicator.load_state_dict(saved.get("communicators", {}).get(name, {}))
             self.reducers[index] = (names, reducer)
         return self.reducers[index][1]
 
     def residual_bytes(self) -> int:
-        return sum(r.memory.residual_bytes() for _, r in self.reducers.values())
+        return sum(r.residual_bytes() for _, r in self.reducers.values())
 
     def state_dict(self) -> dict:
+        # The compressor is shared by the buckets' reducers: its state is saved once, and restored at load time
+        # rather than with each bucket's first reduction, which would rewind its random stream mid-step.
         return {
             "buckets": {
-                i: {"names": names, "memory": r.memory.state_dict()}
+                i: {"names": names, "memory": r.memory.state_dict(),
+                    "communicators": {n: c.state_dict() for n, c in r.communicators.items()}}
                 for i, (names, r) in self.reducers.items()
             },
             "compressor": self.compressor.state_dict(),
@@ -91,29 +103,28 @@ def resireduce_hook(state: ResiReduceHookState, bucket: dist.GradBucket) -> torc
     group = state.process_group
     world = dist.get_world_size(group)
     buffer.div_(world)
-    named, offset = [], 0
+    layout, offset = [], 0
     for p in params:
-        n = p.numel()
-        named.append((state.names[p], buffer[offset : offset + n].view(p.shape)))
-        offset += n
+        layout.append((state.names[p], offset, tuple(p.shape)))
+        offset += p.numel()
     if offset != buffer.numel():
         raise RuntimeError(
             f"DDP bucket {bucket.index()} holds {buffer.numel()} elements but its parameters "
             f"{offset}; this torch version lays buckets out differently than expected"
         )
     reducer = state.reducer_for(bucket.index(), params)
-    pending = reducer.reduce(named, group=group, average=False, async_op=True)
-    work = getattr(pending.exchange, "work", None)
+    pending = reducer.reduce([GradBucket(buffer, tuple(layout))], group=group, average=False, async_op=True,
+                             key=str(bucket.index()))
+    work = pending.exchange.work
 
     def finish(_: Any = None) -> torch.Tensor:
         # Running inside the work's own future callback: the collective is complete, and waiting on the work
         # again from here deadlocks gloo.
         pending.exchange.work = None
-        with torch.no_grad():
-            pending.wait()
+        pending.wait()
         return buffer
 
-    if work is None:
+    if work is None:  # nothing in flight, or a transport with a second collective to start: finish here
         fut = torch.futures.Future()
         fut.set_result(finish())
         return fut

@@ -27,9 +27,11 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return found
 
 
-def measure_model_state(ddp_models: list, optimizer: Any, residual_bytes: int = 0) -> dict[str, int]:
+def measure_model_state(ddp_models: list, optimizer: Any, residual_bytes: int = 0,
+                        owner_residual_bytes: int = 0) -> dict[str, int]:
     """Bytes of the model states (ResiReduce Sect. 3): parameters, gradient buffers, optimizer states (incl.
-    fp32 main copies) and residuals, each counted once by the storages actually allocated."""
+    fp32 main copies) and residuals (the ranks' and, under the reduce-scatter transport, the owners'), each
+    counted once by the storages actually allocated."""
     seen: set[int] = set()
     params = grads = 0
     for ddp in ddp_models:
@@ -52,7 +54,8 @@ def measure_model_state(ddp_models: list, optimizer: Any, residual_bytes: int = 
         "grad_bytes": grads,
         "optimizer_state_bytes": opt_bytes,
         "residual_bytes": residual_bytes,
-        "model_state_bytes": params + grads + opt_bytes + residual_bytes,
+        "owner_residual_bytes": owner_residual_bytes,
+        "model_state_bytes": params + grads + opt_bytes + residual_bytes + owner_residual_bytes,
     }
 
 
@@ -130,13 +133,18 @@ class ResiReduceExtension(TrainingExtension):
         memory = reducer.memory
         traffic = reducer.traffic
         steps = traffic.per_step[1:] or traffic.per_step  # the first step of overlap runs reduces late
-        sent = int(sum(steps) / len(steps)) if steps else 0
+        sent = int(sum(m.sent for m in steps) / len(steps)) if steps else 0
+        received = int(sum(m.received for m in steps) / len(steps)) if steps else 0
+        transports = sorted(set(reducer.transports().values()))
         out: dict[str, Any] = {
             "scheme": self.scheme,
             "grad_compressor": self.compressor_name,
+            "transport": "+".join(transports) or None,
             "residual_bytes": memory.residual_bytes(),
             "residual_formula_bytes": memory.formula_bytes(),
+            "owner_residual_bytes": reducer.residual_bytes() - memory.residual_bytes(),
             "bytes_sent_per_step": sent,
+            "bytes_received_per_step": received,
             "uncompressed_bytes_per_step": self.attachment.uncompressed_bytes_per_step,
             "communication_ratio": (self.attachment.uncompressed_bytes_per_step / sent) if sent else None,
         }
@@ -145,7 +153,8 @@ class ResiReduceExtension(TrainingExtension):
             out["reusable_groups"] = len(plan.groups)
             out["specific_layers"] = len(plan.specific)
         if self.ctx is not None:
-            out.update(measure_model_state(self.ctx.ddp_model, self.ctx.optimizer, memory.residual_bytes()))
+            out.update(measure_model_state(self.ctx.ddp_model, self.ctx.optimizer, memory.residual_bytes(),
+                                           out["owner_residual_bytes"]))
         return out
 
 

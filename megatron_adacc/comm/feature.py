@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_adacc.comm.options import COMPRESSORS, DEFAULTS, SCHEMES
+from megatron_adacc.comm.options import COMPRESSORS, DEFAULTS, SCHEMES, TRANSPORTS
 from megatron_adacc.core.features import Feature, require
 from megatron_adacc.core.units import checked, positive_int
 
@@ -24,7 +24,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resireduce", choices=(OFF, *(s for s in SCHEMES if s != "none")), default=OFF,
                    help="Error-feedback residual scheme: off (no compression), residual (plain error "
                         "feedback), a / w (residuals shared across similar layers: average / weighted), "
-                        "d / 2d (residuals of specific layers compressed by rows / rows and columns), w+2d.")
+                        "d / 2d (residuals of specific layers compressed by rows / rows and columns), w+2d. "
+                        "How the compressed gradients travel: --resireduce-transport.")
     g.add_argument("--grad-compressor", choices=tuple(c for c in COMPRESSORS if c != "none"),
                    default=DEFAULTS.compressor, help="Gradient compressor used when --resireduce is not off.")
     g.add_argument("--grad-compress-density", type=_FRACTION, default=DEFAULTS.density, metavar="FRACTION",
@@ -37,6 +38,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="Weight of the L1 term in ResiReduce-w's layer weights (L2 gets 1 - PHI).")
     g.add_argument("--resireduce-ratio", type=_FRACTION, default=DEFAULTS.ratio, metavar="FRACTION",
                    help="Fraction of rows (and columns) of a specific layer's residual kept by d / 2d.")
+    g.add_argument("--resireduce-transport", choices=TRANSPORTS, default=DEFAULTS.transport,
+                   help="How compressed gradients travel between N data-parallel ranks, P one rank's payload. "
+                        "allgather: every rank receives every payload, (N-1)*P bytes sent and received per "
+                        "rank. reduce-scatter: each rank owns 1/N of every bucket, receives that part of every "
+                        "payload, compresses their sum again (topk/dgc keep 4 payloads' entries, qsgd "
+                        "127 levels; what that drops waits in an owner residual of 1/N of the gradients) and "
+                        "all-gathers it: about 5*(N-1)/N*P each way for topk/dgc, 2*(N-1)/N*P for "
+                        "qsgd, (N-1)/N*P with --use-distributed-optimizer. auto (default): the fewer bytes, "
+                        "i.e. allgather up to 5 ranks for topk/dgc and 2 for qsgd, reduce-scatter beyond, and "
+                        "from 2 ranks with the distributed optimizer. docs/resireduce.md has the details.")
 
 
 def problems(args: Any) -> list[str]:

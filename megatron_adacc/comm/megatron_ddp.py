@@ -17,12 +17,15 @@ that keeps the original's contract:
   reduction (here: decompresses every rank's payload into the bucket); without it, finish synchronously.
 
 Each parameter's gradient is the slice ``bucket.grad_data[param_to_index[p]]`` of its flat bucket; it is
-compressed per parameter (layer-wise, as in the paper) and the residual schemes see parameter names and
-shapes. One all-gather carries a whole bucket group's payloads.
+compressed per parameter (layer-wise, as in the paper; bounded by the shards under the reduce-scatter
+transport) and the residual schemes see parameter names and shapes. A bucket group is one batch of the
+transport (:mod:`megatron_adacc.comm.transport`): one all-gather of its payloads, or the compressed
+reduce-scatter over Megatron's own bucket shards.
 
-The distributed optimizer is supported: the all-gather gives every rank the complete reduced bucket, which
-contains the shard the reduce-scatter would have produced (its ``local_data_view`` is a view of the same
-buffer). Several distributed-optimizer instances (``num_distributed_optimizer_instances > 1``) are not.
+The distributed optimizer is supported: it reads only the rank's shard of each bucket (``local_data_view``,
+Megatron's ``shard_buffer``), which the all-gather fills along with the rest of the bucket and the reduce-scatter
+fills alone (no second compression then). Several distributed-optimizer instances
+(``num_distributed_optimizer_instances > 1``) are not.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.comm.base import ParamSlot
+from megatron_adacc.comm.base import GradBucket, ParamSlot
 from megatron_adacc.comm.pipeline import CompressedReducer
+from megatron_adacc.comm.wire import all_reduce_moved, nbytes, reduce_scatter_moved
 from megatron_adacc.compat.versions import megatron_line
 from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.core.patching import mark, patch, unpatch
@@ -93,12 +97,11 @@ def _all_bucket_groups(ddp: Any) -> list[Any]:
     return list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []) or [])
 
 
-def _named_views(bg: Any, names: dict[Any, str]) -> list[tuple[str, torch.Tensor]]:
+def _buckets(bg: Any, names: dict[Any, str]) -> list[GradBucket]:
     out = []
     for bucket in bg.buckets:
-        for param in bucket.params_list:
-            start, end = bucket.param_to_index[param]
-            out.append((names[param], bucket.grad_data[start:end].view(param.shape)))
+        params = tuple((names[p], bucket.param_to_index[p][0], tuple(p.shape)) for p in bucket.params_list)
+        out.append(GradBucket(bucket.grad_data, params))
     return out
 
 
@@ -148,7 +151,8 @@ def _make_start_grad_sync(line: tuple[int, int], names: dict[Any, str], state: _
         )
         async_op = bool(cfg.overlap_grad_reduce)
         pending = state.reducer.reduce(
-            _named_views(self, names), group=group, average=bool(cfg.average_in_collective), async_op=async_op
+            _buckets(self, names), group=group, average=bool(cfg.average_in_collective), async_op=async_op,
+            shard_only=bool(cfg.use_distributed_optimizer and not force_all_reduce), key=str(state.batch),
         )
         self.grad_reduce_handle = pending if async_op else None
 
@@ -192,15 +196,13 @@ def attach(ddp_models: Any | Sequence[Any], reducer: CompressedReducer) -> Megat
                         bucket.grad_data.device,
                     )
                 )
-            # What Megatron's own collective would send per rank (ring): reduce-scatter (N-1)/N of the bucket,
-            # all-reduce twice that.
+            # What Megatron's own collective would send per rank: a reduce-scatter, or an all-reduce.
+            size = nbytes(bucket.grad_data)
             if bg.ddp_config.use_distributed_optimizer:
-                world, passes = bg.intra_distributed_optimizer_instance_size, 1
+                moved = reduce_scatter_moved(size, bg.intra_distributed_optimizer_instance_size)
             else:
-                world, passes = torch.distributed.get_world_size(bg.data_parallel_group), 2
-            attachment.uncompressed_bytes_per_step += int(
-                passes * (world - 1) / world * bucket.grad_data.numel() * bucket.grad_data.element_size()
-            )
+                moved = all_reduce_moved(size, torch.distributed.get_world_size(bg.data_parallel_group))
+            attachment.uncompressed_bytes_per_step += moved.sent
     reducer.memory.register(attachment.slots)
     for batch, (bg, bg_names) in enumerate(groups):
         state = _BucketGroupState(reducer, bg_names, batch)

@@ -10,6 +10,9 @@ from typing import Any
 SCHEMES = ("none", "residual", "a", "w", "d", "2d", "w+2d")
 #: Gradient compressors, one file each under :mod:`megatron_adacc.comm.compressors` (``none``: the identity).
 COMPRESSORS = ("topk", "dgc", "qsgd", "none")
+#: How compressed payloads travel (``--resireduce-transport``): ``auto`` picks by the byte model
+#: (:mod:`megatron_adacc.comm.transport`), ``allgather`` and ``reduce-scatter`` force one.
+TRANSPORTS = ("auto", "allgather", "reduce-scatter")
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,13 @@ class ReducerOptions:
     """Weight of the L1 term in ResiReduce-w's layer weights; L2 gets 1 - phi (``--resireduce-phi``)."""
     ratio: float = 0.5
     """Fraction of rows (and columns) of a specific layer's residual kept by d / 2d (``--resireduce-ratio``)."""
+    transport: str = "auto"
+    """How payloads travel between ranks (``--resireduce-transport``): auto, allgather or reduce-scatter."""
 
     #: argparse destination of each field.
     ARG_NAMES = {"compressor": "grad_compressor", "density": "grad_compress_density", "qsgd_levels": "qsgd_levels",
-                 "group_size": "resireduce_group_size", "phi": "resireduce_phi", "ratio": "resireduce_ratio"}
+                 "group_size": "resireduce_group_size", "phi": "resireduce_phi", "ratio": "resireduce_ratio",
+                 "transport": "resireduce_transport"}
 
     @classmethod
     def from_args(cls, args: Any) -> ReducerOptions:

@@ -1,113 +1,126 @@
-"""Compensate, compress, update the residual, communicate, decompress: one batch of gradients at a time."""
+"""Compensate, compress, update the residual, reduce through a transport: one batch of gradients at a time."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_adacc.comm.base import Communicator, Compressor, Memory, PendingExchange
-from megatron_adacc.comm.communicator import communicator_for, world_size
+from megatron_adacc.comm.base import Compressor, GradBucket, Memory, PendingExchange
+from megatron_adacc.comm.communicator import group_rank, world_size
 from megatron_adacc.comm.compressors import build_compressor
 from megatron_adacc.comm.memories import build_memory
 from megatron_adacc.comm.options import DEFAULTS
-
-
-@dataclass
-class Traffic:
-    """Bytes this rank sent, for the current step and in total."""
-
-    step_bytes: int = 0
-    total_bytes: int = 0
-    batches: int = 0
-    last_step_bytes: int = 0
-    per_step: list[int] = field(default_factory=list)
-
-    def add(self, nbytes: int) -> None:
-        self.step_bytes += nbytes
-        self.total_bytes += nbytes
-        self.batches += 1
-
-    def end_step(self) -> None:
-        self.last_step_bytes = self.step_bytes
-        self.per_step.append(self.step_bytes)
-        self.step_bytes = 0
+from megatron_adacc.comm.transport import Route, build_communicators, choose
+from megatron_adacc.comm.wire import Traffic
+from megatron_adacc.core.errors import IntegrationError
 
 
 class PendingReduction:
     """Result of :meth:`CompressedReducer.reduce`: ``wait()`` writes the reduced gradients in place."""
 
-    def __init__(
-        self, exchange: PendingExchange, grads: Sequence[torch.Tensor], compressor: Compressor, divide_by: int
-    ):
-        self.exchange, self.grads, self.compressor, self.divide_by = exchange, grads, compressor, divide_by
+    def __init__(self, exchange: PendingExchange, divide_by: int):
+        self.exchange, self.divide_by = exchange, divide_by
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        per_rank = self.exchange.wait()
-        # Every rank decodes the same payloads in the same (rank) order, so the sums are bit-identical
-        # across ranks and the replicas stay in lockstep.
-        for i, grad in enumerate(self.grads):
-            grad.zero_()
-            for payloads in per_rank:
-                self.compressor.decompress_add(payloads[i], grad)
-            if self.divide_by != 1:
-                grad.div_(self.divide_by)
+        self.exchange.wait()
+        if self.divide_by != 1:
+            for out in self.exchange.outputs:
+                out.div_(self.divide_by)
         self.done = True
 
 
 class CompressedReducer:
-    """Error-feedback compressed reduction of named gradient tensors (views into a communication buffer).
+    """Error-feedback compressed reduction of gradient buckets.
 
-    Per batch: ``G~ = G + R`` (memory.compensate), ``P = Q(G~)`` (compressor), ``R' = G~ - Q^-1(P)`` written
-    into the gradient's own storage and handed to memory.update, then memory.flush(); the payloads of all
-    ranks are exchanged and every gradient becomes ``sum_ranks Q^-1(P_rank)`` (divided by the world size
-    when ``average``). The residual step needs no scratch buffer: the gradient storage is overwritten by the
-    reduced result anyway.
+    Per batch: ``G~ = G + R`` (memory.compensate, per parameter), ``P = Q(G~)`` piece by piece (the transport's
+    pieces: whole parameters, or their parts in each rank's shard), ``R' = G~ - Q^-1(P)`` written into the
+    gradient's own storage and handed to memory.update, then memory.flush(); the transport then leaves the reduced
+    gradient in the buckets (divided by the world size when ``average``). The residual step needs no scratch
+    buffer: the gradient storage is overwritten by the reduced result anyway. The transport of each batch is
+    chosen at its first reduction (:mod:`megatron_adacc.comm.transport`) and kept while its buckets do not change.
     """
 
-    def __init__(self, compressor: Compressor, memory: Memory, communicator: Communicator | None = None):
+    def __init__(self, compressor: Compressor, memory: Memory, transport: str = DEFAULTS.transport):
         self.compressor = compressor
         self.memory = memory
-        self.communicator = communicator or communicator_for(compressor.supports_allreduce)
+        self.transport = transport
+        self.communicators = build_communicators()
+        self.routes: dict[str, tuple[tuple, Route]] = {}
         self.traffic = Traffic()
 
     def reduce(
         self,
-        named_grads: Sequence[tuple[str, torch.Tensor]],
+        buckets: Sequence[GradBucket] | Sequence[tuple[str, torch.Tensor]],
         group: Any = None,
         average: bool = False,
         async_op: bool = False,
+        shard_only: bool = False,
+        key: str = "0",
     ) -> PendingReduction:
+        """Reduce one batch: :class:`GradBucket` s (or named gradients, each its own bucket). ``shard_only``: only
+        each rank's shard of each bucket has to hold the result (the distributed optimizer's reduce-scatter);
+        ``key`` names the batch, the same in every run (it keys the transport's checkpointed state)."""
+        buckets = [b if isinstance(b, GradBucket) else GradBucket.of(*b) for b in buckets]
+        route = self.route(buckets, group, shard_only, key)
+        plan = route.plan
+        named = [nv for bucket in buckets for nv in bucket.named_views()]
         payloads = []
         with torch.no_grad():
-            for name, grad in named_grads:
+            for name, grad in named:
                 self.memory.compensate(grad, name)
+            for piece in plan.pieces:
+                grad = buckets[piece.bucket].data[piece.start : piece.stop]
                 payload = self.compressor.compress(grad)
                 self.compressor.decompress_add(payload, grad, alpha=-1.0)
-                self.memory.update(grad, name)
                 payloads.append(payload)
+            for name, grad in named:
+                self.memory.update(grad, name)
             self.memory.flush()
-        exchange = self.communicator.exchange(payloads, group, async_op)
-        self.traffic.add(exchange.bytes_sent)
-        pending = PendingReduction(
-            exchange, [g for _, g in named_grads], self.compressor, world_size(group) if average else 1
-        )
+        exchange = route.communicator.start(plan, buckets, payloads, self.compressor, group, async_op, self.traffic)
+        self.traffic.batches += 1
+        pending = PendingReduction(exchange, plan.world if average else 1)
         if not async_op:
-            with torch.no_grad():
-                pending.wait()
+            pending.wait()
         return pending
 
+    def route(self, buckets: Sequence[GradBucket], group: Any = None, shard_only: bool = False,
+              key: str = "0") -> Route:
+        """The transport and plan of this batch: chosen at its first reduction, kept while its layout holds."""
+        world, rank = world_size(group), group_rank(group)
+        layout = (world, rank, shard_only, tuple((b.data.numel(), b.data.dtype, b.params) for b in buckets))
+        cached = self.routes.get(key)
+        if cached is None or cached[0] != layout:
+            route = choose(self.transport, self.communicators, self.compressor, buckets, world, rank, shard_only, key)
+            cached = self.routes[key] = (layout, route)
+        return cached[1]
+
+    def transports(self) -> dict[str, str]:
+        """The transport of every batch reduced so far, by its key."""
+        return {key: route.communicator.name for key, (_, route) in self.routes.items()}
+
+    def residual_bytes(self) -> int:
+        """Every error-feedback residual held: the memory's and the transports' (owner residuals)."""
+        return self.memory.residual_bytes() + sum(c.residual_bytes() for c in self.communicators.values())
+
     def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
+        return {"memory": self.memory.state_dict(), "compressor": self.compressor.state_dict(),
+                "transport": self.transport,
+                "communicators": {name: c.state_dict() for name, c in self.communicators.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("transport", "auto")  # checkpoints from before the choice was made only all-gathered
+        if saved != self.transport:
+            raise IntegrationError(f"ResiReduce state was saved with --resireduce-transport {saved}, not "
+                                   f"{self.transport}; resume with --resireduce-transport {saved}")
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])
+        for name, communicator in self.communicators.items():
+            communicator.load_state_dict(state.get("communicators", {}).get(name, {}))
 
 
 def build_reducer(
@@ -119,10 +132,12 @@ def build_reducer(
     group_size: int = DEFAULTS.group_size,
     phi: float = DEFAULTS.phi,
     ratio: float = DEFAULTS.ratio,
+    transport: str = DEFAULTS.transport,
     seed: int = 0,
 ) -> CompressedReducer:
     """A reducer for ``--resireduce S --grad-compressor C``; ``seed`` should differ per rank."""
     return CompressedReducer(
         build_compressor(compressor, density=density, qsgd_levels=qsgd_levels, seed=seed),
         build_memory(scheme, group_size=group_size, phi=phi, ratio=ratio),
+        transport,
     )

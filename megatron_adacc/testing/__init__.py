@@ -9,6 +9,7 @@ should not load it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import subprocess
@@ -134,6 +135,20 @@ def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] | None = No
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def torchrun_results(script: str | Path, cases: list[str], nproc: int = 2, key: str = "spec",
+                     timeout: float = 600) -> dict[str, dict]:
+    """Run a torchrun worker over ``cases`` and collect the ``RESULT {json}`` lines it prints, by ``result[key]``;
+    a case without its line fails, with the end of the output."""
+    proc = run_torchrun(script, nproc=nproc, args=cases, timeout=timeout)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            out[result[key]] = result
+    assert sorted(out) == sorted(cases), proc.stdout[-3000:]
+    return out
 
 
 def _lift_address_space_cap() -> None:

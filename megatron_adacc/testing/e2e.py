@@ -78,6 +78,8 @@ class Case:
 
 #: ``--resireduce`` schemes: every one the comm feature offers.
 RESIREDUCE_SCHEMES = tuple(s for s in SCHEMES if s != "none")
+#: QSGD, whose owners quantize the sum again at any number of ranks (top-k's keep all of 2 ranks' entries).
+RESIREDUCE_RS = ("--resireduce", "residual", "--grad-compressor", "qsgd", "--resireduce-transport", "reduce-scatter")
 #: AdamA never holds the mini-batch gradient, so Megatron's global clipping is off (``--clip-grad 0``).
 ADAMA = ("--adama", "--clip-grad", "0", "--ckpt-format", "torch")
 #: AdamA sharded like Megatron's distributed optimizer, clipping each micro-batch's gradient by its global norm
@@ -121,6 +123,10 @@ CASES: tuple[Case, ...] = (
     *(Case(f"resireduce-{scheme}", ("--resireduce", scheme), nproc=2, trains=True) for scheme in RESIREDUCE_SCHEMES),
     *(Case(f"resireduce-{scheme}-resume", ("--resireduce", scheme), nproc=2, resume_at=5,
            reference=f"resireduce-{scheme}") for scheme in RESIREDUCE_SCHEMES),
+    # The compressed reduce-scatter, whose owners keep residuals of their own in the checkpoint.
+    Case("resireduce-reduce-scatter", RESIREDUCE_RS, nproc=2, trains=True),
+    Case("resireduce-reduce-scatter-resume", RESIREDUCE_RS, nproc=2, resume_at=5,
+         reference="resireduce-reduce-scatter"),
     # Profiling in a child process leaves this run's memory and random streams alone: a first run with an empty
     # profile database equals the next run, which reuses its profile.
     Case("auto-cold", AUTO, budget_from="auto-int4", profile_db="cold", fresh_profile=True, trains=True),

@@ -1,5 +1,6 @@
 """torchrun worker: torch.nn.parallel.DistributedDataParallel with the ResiReduce communication hook on 2
-gloo ranks; prints one JSON line per configuration (``scheme:compressor``, or ``default``) on rank 0."""
+gloo ranks; prints one JSON line per configuration (``scheme:compressor[:transport]``, or ``default``) on
+rank 0."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ def run(spec: str) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = None
     if spec != "default":
-        scheme, compressor = spec.split(":")
+        scheme, compressor, *transport = spec.split(":")
         state = ResiReduceHookState(model, build_compressor(compressor, density=0.1, seed=rank),
-                                    lambda: build_memory(scheme, group_size=2))
+                                    lambda: build_memory(scheme, group_size=2), transport=(transport or ["auto"])[0])
         ddp.register_comm_hook(state, resireduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(rank)
@@ -60,8 +61,9 @@ def run(spec: str) -> dict:
            "param_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
     if state is not None:
         out["residual_bytes"] = state.residual_bytes()
-        out["bytes_sent"] = state.traffic.total_bytes
+        out["bytes_sent"] = state.traffic.total.sent
         out["full_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+        out["transports"] = sorted({name for _, r in state.reducers.values() for name in r.transports().values()})
     return out
 
 

@@ -2,8 +2,8 @@
 configurations in one process (imports dominate the cost), and print one JSON line per configuration on
 rank 0. Run by tests/comm/test_megatron_ddp.py and tests/comm/test_resume.py.
 
-Configuration syntax: ``scheme:compressor:overlap[:distopt]``, e.g. ``w+2d:topk:1``; scheme ``off`` runs
-Megatron's own reduction.
+Configuration syntax: ``scheme:compressor:overlap[:distopt[:transport]]``, e.g. ``w+2d:topk:1`` or
+``residual:topk:0:1:reduce-scatter``; scheme ``off`` runs Megatron's own reduction.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def run(spec: str) -> dict:
     parts = spec.split(":")
     scheme, compressor, overlap = parts[0], parts[1], parts[2] == "1"
     distopt = len(parts) > 3 and parts[3] == "1"
+    transport = parts[4] if len(parts) > 4 else "auto"
     model = build_tiny_gpt(seq_length=16, num_layers=LAYERS, hidden_dropout=0.0, attention_dropout=0.0)
     rank = torch.distributed.get_rank()
     ddp_config = DistributedDataParallelConfig(
@@ -44,7 +45,7 @@ def run(spec: str) -> dict:
     )
     attachment = None
     if scheme != "off":
-        reducer = build_reducer(scheme, compressor, density=0.05, group_size=2, seed=rank)
+        reducer = build_reducer(scheme, compressor, density=0.05, group_size=2, seed=rank, transport=transport)
         attachment = attach(ddp, reducer)
     losses = []
     for step in range(STEPS):
@@ -73,7 +74,9 @@ def run(spec: str) -> dict:
             formula_bytes=mem.formula_bytes(),
             full_residual_bytes=sum(s.numel * 4 for s in attachment.slots),
             groups=len(getattr(mem, "plan", None).groups) if hasattr(mem, "plan") else 0,
-            bytes_sent=attachment.reducer.traffic.total_bytes,
+            bytes_sent=attachment.reducer.traffic.total.sent,
+            transport="+".join(sorted(set(attachment.reducer.transports().values()))),
+            owner_residual_bytes=attachment.reducer.residual_bytes() - mem.residual_bytes(),
             uncompressed_bytes_per_step=attachment.uncompressed_bytes_per_step,
         )
         attachment.detach()

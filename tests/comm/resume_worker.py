@@ -16,16 +16,20 @@ def main() -> None:
 
     quiet_fallback_warnings()
     scheme, compressor, workdir = sys.argv[1], sys.argv[2], sys.argv[3]
+    transport = sys.argv[4] if len(sys.argv) > 4 else "auto"
     common = ["--device", "cpu", "--no-progress", "--num-layers", "4", "--hidden-size", "64",
               "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "32",
               "--micro-batch-size", "2", "--global-batch-size", "4", "--hidden-dropout", "0",
               "--attention-dropout", "0", "--lr-warmup-iters", "0", "--lr", "3e-3", "--min-lr", "3e-3",
               "--resireduce", scheme,
-              "--grad-compressor", compressor, "--grad-compress-density", "0.05", "--resireduce-group-size", "2"]
+              "--grad-compressor", compressor, "--grad-compress-density", "0.05", "--resireduce-group-size", "2",
+              "--resireduce-transport", transport]
     straight = train(parse_train_args(common + ["--train-iters", "4"]))
     first_two = train(parse_train_args(common + ["--train-iters", "2", "--save", workdir]))
     saved = torch.load(f"{workdir}/rank{torch.distributed.get_rank():05d}.pt", weights_only=False)
-    memory = saved["extensions"].get("resireduce", {}).get("reducer", {}).get("memory", {})
+    reducer = saved["extensions"].get("resireduce", {}).get("reducer", {})
+    memory = reducer.get("memory", {})
+    owners = reducer.get("communicators", {}).get("reduce-scatter", {}).get("owner_residuals", {})
     resumed = train(parse_train_args(common + ["--train-iters", "4", "--load", workdir]))
     # Negative control: the same resume with the residuals left at zero must differ.
     from megatron_adacc.comm.extension import ResiReduceExtension
@@ -42,6 +46,7 @@ def main() -> None:
             "resumed_without_residuals": without["losses"],
             "saved_residual_tensors": len(memory),
             "saved_residual_nonzero": sum(int(t.count_nonzero()) for t in memory.values()),
+            "saved_owner_residual_nonzero": sum(int(t.count_nonzero()) for t in owners.values()),
         }), flush=True)
 
 

@@ -16,10 +16,12 @@ def test_off_builds_nothing():
 def test_flags_reach_the_extension():
     ext = build_extension(parse_train_args([
         "--resireduce", "w+2d", "--grad-compressor", "qsgd", "--qsgd-levels", "8", "--grad-compress-density",
-        "0.05", "--resireduce-group-size", "3", "--resireduce-phi", "0.25", "--resireduce-ratio", "0.4"]))
+        "0.05", "--resireduce-group-size", "3", "--resireduce-phi", "0.25", "--resireduce-ratio", "0.4",
+        "--resireduce-transport", "reduce-scatter"]))
     assert isinstance(ext, ResiReduceExtension)
     assert (ext.scheme, ext.compressor_name) == ("w+2d", "qsgd")
-    assert ext.options == dict(density=0.05, qsgd_levels=8, group_size=3, phi=0.25, ratio=0.4)
+    assert ext.options == dict(density=0.05, qsgd_levels=8, group_size=3, phi=0.25, ratio=0.4,
+                               transport="reduce-scatter")
 
 
 def test_checkpoint_of_another_rank_or_scheme_is_refused():

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from megatron_adacc.testing import run_torchrun
+from megatron_adacc.testing import torchrun_results
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 SCHEMES = ["residual", "a", "w", "d", "2d", "w+2d"]
@@ -16,19 +15,14 @@ SPECS = (
     ["off:topk:0", "off:topk:1", "residual:none:0", "residual:none:1"]
     + [f"{s}:topk:{o}" for s in SCHEMES for o in (0, 1)]
     + ["w+2d:dgc:1", "w+2d:qsgd:0", "residual:dgc:0", "residual:qsgd:1", "residual:topk:1:1"]
+    # The identity through the compressed reduce-scatter, beside Megatron's all-reduce and reduce-scatter.
+    + ["residual:none:0:0:reduce-scatter", "off:topk:1:1", "residual:none:1:1:reduce-scatter"]
 )
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    proc = run_torchrun(WORKER, nproc=2, args=SPECS, timeout=600)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["spec"]] = r
-    assert sorted(out) == sorted(SPECS), proc.stdout[-3000:]
-    return out
+    return torchrun_results(WORKER, SPECS)
 
 
 def _ok(results, spec):
@@ -37,7 +31,7 @@ def _ok(results, spec):
     return r
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if not s.endswith(":1:1")])
+@pytest.mark.parametrize("spec", [s for s in SPECS if ":1:1" not in s])
 def test_replicas_stay_identical(results, spec):
     r = _ok(results, spec)
     assert r["max_param_diff"] == 0.0
@@ -52,8 +46,18 @@ def test_identity_compressor_reproduces_megatron_exactly(results, overlap):
     assert ours["param_sha256"] == megatron["param_sha256"]
 
 
+@pytest.mark.parametrize("megatron, ours", [("off:topk:0", "residual:none:0:0:reduce-scatter"),
+                                            ("off:topk:1:1", "residual:none:1:1:reduce-scatter")])
+def test_identity_through_the_reduce_scatter_reproduces_megatron_exactly(results, megatron, ours):
+    """Two ranks add in one order: the owner's sum is Megatron's all-reduce / reduce-scatter, bit for bit."""
+    mine, theirs = _ok(results, ours), _ok(results, megatron)
+    assert mine["transport"] == "reduce-scatter"
+    assert mine["losses"] == theirs["losses"]
+    assert mine["param_sha256"] == theirs["param_sha256"]
+
+
 @pytest.mark.parametrize("spec", [s for s in SPECS if not s.startswith("off") and "none" not in s
-                                  and not s.endswith(":1:1")])
+                                  and ":1:1" not in s])
 def test_measured_residual_memory_equals_formula(results, spec):
     r = _ok(results, spec)
     assert r["residual_bytes"] == r["formula_bytes"]
@@ -79,3 +83,5 @@ def test_distributed_optimizer(results):
     r = _ok(results, "residual:topk:1:1")
     assert r["max_param_diff"] == 0.0
     assert r["residual_bytes"] == r["formula_bytes"]
+    # Each rank needs only its shard: auto reduce-scatters it, no second compression, no owner residual.
+    assert r["transport"] == "reduce-scatter" and r["owner_residual_bytes"] == 0

@@ -10,7 +10,7 @@ import torch
 
 from megatron_adacc.comm.base import Compressor, PayloadSpec
 from megatron_adacc.comm.compressors._generator import DeviceGenerator
-from megatron_adacc.comm.compressors.topk import check_density, k_for
+from megatron_adacc.comm.compressors.topk import TopKCompressor, check_density, k_for
 
 
 class DGCCompressor(Compressor):
@@ -68,6 +68,11 @@ class DGCCompressor(Compressor):
         values = torch.where(passes, flat[top.indices], 0)
         indices = torch.where(passes, top.indices, 0).to(torch.int32)
         return [values, indices]
+
+    def for_owner(self) -> TopKCompressor:
+        """Top-k's (:meth:`TopKCompressor.for_owner`): the owner selects among at most ``N k`` entries, where a
+        sampled threshold saves nothing."""
+        return TopKCompressor(self.density).for_owner()
 
     def decompress_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, alpha: float = 1.0) -> None:
         values, indices = payload
