@@ -62,17 +62,19 @@ def test_a_short_run_starts_at_the_vocabulary_s_entropy_and_learns():
     assert losses[-1] < losses[0]
 
 
-def test_auto_profiles_the_vocabulary_and_embeddings_the_run_builds():
-    from megatron_adacc.adacc.integration.sample import layer_sample
+def test_auto_charges_the_vocabulary_and_embeddings_the_run_builds():
+    """What ``auto`` counts beside the activations comes from the model the run builds: its padded vocabulary in the
+    logits workspace, and untied input and output embeddings in the model states."""
+    from megatron_adacc.adacc.integration.model_states import count_parameters, static_memory
+    from megatron_adacc.adacc.policy.static import logits_workspace_bytes
 
-    args, config, _ = _built(LLAMA_VOCAB)
-    sample = layer_sample(args, config, torch.device("cpu"))
-    assert sample.vocab_size == 32128  # the logits workspace a profile charges is this vocabulary's
-    _, _, model = _built(LLAMA_VOCAB)
-    embeddings = 2 * 32128 * 64  # the input embedding and the output layer, one layer fewer than the model
-    assert sample.model_params == sum(p.numel() for p in model.parameters()) - sum(
-        p.numel() for p in model.decoder.layers[1].parameters())
-    assert sample.model_params > embeddings
+    args, config, model = _built(LLAMA_VOCAB)
+    parameters = count_parameters(args, config)
+    assert parameters.vocab_per_rank == 32128 and not parameters.tied
+    assert parameters.total == sum(p.numel() for p in model.parameters())
+    assert parameters.total > 2 * 32128 * 64  # the input embedding and the output layer
+    static = static_memory(args, config, parameters=parameters)
+    assert static.workspace_bytes == logits_workspace_bytes(32128, args.seq_length * args.micro_batch_size)
 
 
 @pytest.mark.parametrize("flags, named", [
