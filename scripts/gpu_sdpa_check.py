@@ -52,18 +52,13 @@ def main() -> int:
     from megatron_adacc.adacc.policy.ops import OP_NAMES
     from megatron_adacc.adacc.runtime import memory_report
     from megatron_adacc.testing import loss_and_grads
-    from megatron_adacc.training import distributed
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
     from megatron_adacc.training.data import sampler_for
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     args = parse_train_args(SHAPE + ["--device", opts.device, "--attention-dropout", opts.attention_dropout] + extra)
-    device = distributed.resolve_device(args.device)
-    distributed.initialize(device, args.seed)
-    config = model_lib.transformer_config(args, device)
-    model = model_lib.build_gpt(args, config).to(device)
-    model.train()
+    device, config, model = model_lib.model_in_this_process(args)
     b = next(sampler_for(args)).to(device)
     batch = (b.tokens, b.position_ids, b.attention_mask, b.labels)
     results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -135,7 +135,6 @@ def _interleaved_overhead(payload: dict) -> dict:
 
     from megatron_adacc.adacc import integration as adacc_megatron
     from megatron_adacc.compat import quiet_fallback_warnings
-    from megatron_adacc.training import distributed
     from megatron_adacc.training import model as model_lib
     from megatron_adacc.training.args import parse_train_args
     from megatron_adacc.training.data import sampler_for
@@ -146,11 +145,7 @@ def _interleaved_overhead(payload: dict) -> dict:
         flags += ["--micro-batch-size", str(payload["micro_batch_size"]),
                   "--global-batch-size", str(payload["micro_batch_size"])]
     args = parse_train_args(flags)
-    device = distributed.resolve_device(args.device)
-    distributed.initialize(device, args.seed)
-    config = model_lib.transformer_config(args, device)
-    model = model_lib.build_gpt(args, config).to(device)
-    model.train()
+    device, config, model = model_lib.model_in_this_process(args)
     batch = next(sampler_for(args)).to(device)
 
     def step():

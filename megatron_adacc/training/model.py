@@ -94,6 +94,20 @@ def build_gpt(args: SimpleNamespace, config) -> torch.nn.Module:
     return model
 
 
+def model_in_this_process(args: SimpleNamespace) -> tuple[torch.device, object, torch.nn.Module]:
+    """``(device, config, model)`` for a script or benchmark that runs the model ``args`` describe outside the
+    training loop: this process's groups and seeds set up as ``adacc train`` sets them, the model on its device in
+    training mode."""
+    from megatron_adacc.training import distributed
+
+    device = distributed.resolve_device(args.device)
+    distributed.initialize(device, args.seed)
+    config = transformer_config(args, device)
+    model = build_gpt(args, config).to(device)
+    model.train()
+    return device, config, model
+
+
 def wrap_ddp(args: SimpleNamespace, config, model: torch.nn.Module):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
