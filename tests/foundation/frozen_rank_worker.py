@@ -23,6 +23,7 @@ _real_step = loop._train_step
 
 def _train_step(run, iteration, *args, **kwargs):
     if run.rank == 1 and iteration == 2:
+        (Path(os.environ["FROZEN_RANK_READY_DIR"]) / "stopped").touch()  # when the test's clock starts
         os.kill(os.getpid(), signal.SIGSTOP)
     return _real_step(run, iteration, *args, **kwargs)
 

@@ -18,8 +18,10 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
         "--no-progress"]
 TIMEOUT_S = 3
-#: Start-up of two ranks on two shared cores (~20 s), the timeout, and the grace in which live ranks say so.
-BOUND_S = 50
+#: From the moment rank 1 stops to the line naming it: the timeout and the grace in which live ranks say so.
+BOUND_S = 30
+#: Start-up of two ranks on two shared cores (~20 s, over 45 s on a loaded machine) before rank 1 stops.
+START_S = 90
 #: torchrun's line as it tears the job down after rank 0 failed.
 CLOSING = re.compile(r"Sending process (\d+) closing signal SIGTERM")
 
@@ -42,18 +44,18 @@ def _kill(launcher: subprocess.Popen, ranks: set[int]) -> None:
 
 def _run(cmd: list[str], env: dict) -> tuple[subprocess.Popen, list[str], float | None]:
     """Run torchrun; once it sends the stopped rank SIGTERM, SIGCONT that rank so that it dies now: torchrun
-    otherwise waits a fixed 30 s before its SIGKILL, which is torchrun's teardown, not what is tested here."""
-    start = time.monotonic()
+    otherwise waits a fixed 30 s before its SIGKILL, which is torchrun's teardown, not what is tested here.
+    Returns the finished launcher, its output lines and the wall-clock time at which a line named a silent rank."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     ranks, lines, named_at = set(), [], None
-    watchdog = threading.Timer(BOUND_S + 30, lambda: _kill(proc, ranks))  # a hang ends the output, and the test
+    watchdog = threading.Timer(START_S + BOUND_S, lambda: _kill(proc, ranks))  # a hang ends the output, and the test
     watchdog.start()
     try:
         for line in proc.stdout:
             lines.append(line)
             ranks |= _ranks(proc.pid)
             if named_at is None and "did not answer" in line:
-                named_at = time.monotonic() - start
+                named_at = time.time()
             if (match := CLOSING.search(line)) and int(match.group(1)) in ranks:
                 os.kill(int(match.group(1)), signal.SIGCONT)
         proc.wait()
@@ -71,13 +73,12 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
            "--distributed-timeout-minutes", str(TIMEOUT_S / 60)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
            "FROZEN_RANK_READY_DIR": str(tmp_path)}
-    start = time.monotonic()
     proc, lines, named_at = _run(cmd, env)
     named = [line for line in lines if "did not answer" in line]
     assert named and named[0].startswith("adacc: rank 1 of 2 did not answer for 3 s"), "".join(lines)[-3000:]
     assert "--distributed-timeout-minutes" in named[0]
-    assert proc.returncode != 0 and named_at < BOUND_S, (proc.returncode, named_at)
-    assert time.monotonic() - start < BOUND_S + 10
+    stopped = (tmp_path / "stopped").stat().st_mtime
+    assert proc.returncode != 0 and named_at - stopped < BOUND_S, (proc.returncode, named_at - stopped)
 
 
 def test_the_line_names_every_silent_rank_or_says_that_none_was():

@@ -1,8 +1,10 @@
-"""Acceptance: a 14-op layer with 96 layers solves in under 0.5 s (asserted with a margin for shared CI)."""
+"""Acceptance: a 14-op layer with 96 layers solves in under 0.5 s. Asserted on CPU time (this process's and a
+solver child's), which waiting for a core on a loaded machine does not inflate, with a margin for the cache and
+memory-bandwidth contention that it does; the wall-clock figure is what `adacc bench budget` reports."""
 
 from __future__ import annotations
 
-import time
+import os
 
 import pytest
 
@@ -14,7 +16,12 @@ from megatron_adacc.adacc.policy.strategies import solve
 SIG = plain_signature(hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, seq_length=2048,
                       micro_batch_size=1, dtype="bfloat16", num_layers=96, megatron_core_version="0.16.1")
 TARGET_S = 0.5
-MARGIN = 3.0  # the machine running the tests is shared; the target itself is what the benchmark reports
+MARGIN = 3.0
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @pytest.mark.parametrize("chain_aware, heterogeneous", [(False, False), (True, False), (True, True)])
@@ -29,9 +36,9 @@ def test_14_ops_96_layers_solves_fast(chain_aware: bool, heterogeneous: bool) ->
         problem = make_problem(profile, lo + frac * (hi - lo), SolveOptions())
         best = float("inf")
         for _ in range(2):
-            t0 = time.perf_counter()
+            t0 = _cpu_seconds()
             solve(problem, chain_aware=chain_aware, heterogeneous=heterogeneous)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, _cpu_seconds() - t0)
         worst = max(worst, best)
-    print(f"chain_aware={chain_aware} heterogeneous={heterogeneous}: worst solve {worst * 1e3:.0f} ms")
+    print(f"chain_aware={chain_aware} heterogeneous={heterogeneous}: worst solve {worst * 1e3:.0f} ms of CPU")
     assert worst < TARGET_S * MARGIN
