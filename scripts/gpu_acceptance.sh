@@ -5,9 +5,12 @@
 #      equals the pure-torch reference bit for bit) and the runtime exactness tests;
 #   3. Adacc on the SDPA attention with attention dropout, which only a GPU kernel takes (scripts/gpu_sdpa_check.py:
 #      exact against stock and Megatron's full recompute, at or below its bytes; float32 and bf16);
-#   4. adacc bench codecs (CPU and CUDA; float32, float16, bfloat16);
-#   5. adacc bench budget --quick;
-#   6. the Megatron-LM smoke run (scripts/megatron_lm_smoke.sh; needs a patched Megatron-LM in MEGATRON_DIR,
+#   4. one training step of each feature on CUDA under torch.cuda.set_sync_debug_mode("warn"), against stock
+#      Megatron's same step (tests/gpu_ready/test_host_syncs.py): any synchronizing call a feature adds, with
+#      its call site, including those in compiled code that the CPU test's counter cannot see;
+#   5. adacc bench codecs (CPU and CUDA; float32, float16, bfloat16);
+#   6. adacc bench budget --quick;
+#   7. the Megatron-LM smoke run (scripts/megatron_lm_smoke.sh; needs a patched Megatron-LM in MEGATRON_DIR,
 #      which the Docker image has).
 # Every step runs even when one before it failed; each writes its log, and summary.txt lists them all, under
 # benchmarks/gpu/<UTC date>-<GPU name>/. Exit status: 0 when every step passed, 1 otherwise, 2 without a GPU.
@@ -84,10 +87,9 @@ step exact-tests "$python" -m pytest tests/runtime/test_exact.py -q -p no:cachep
   --junitxml="$out/exact-tests.xml"
 step sdpa-check "$python" scripts/gpu_sdpa_check.py --device cuda
 step sdpa-check-bf16 "$python" scripts/gpu_sdpa_check.py --device cuda --bf16
-for dtype in float32 float16 bfloat16; do
-  step "bench-codecs-$dtype" "$python" -m megatron_adacc.cli bench codecs --dtype "$dtype" \
-    --output-dir "$out/codecs-$dtype"
-done
+step sync-debug env ADACC_TEST_DEVICE=cuda "$python" -m pytest tests/gpu_ready/test_host_syncs.py -q \
+  -p no:cacheprovider -k on_a_gpu --junitxml="$out/sync-debug.xml"
+step bench-codecs "$python" -m megatron_adacc.cli bench codecs --output-dir "$out/codecs"
 step bench-budget "$python" -m megatron_adacc.cli bench budget --quick --output-dir "$out/budget"
 step megatron-smoke smoke
 

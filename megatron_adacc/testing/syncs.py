@@ -26,12 +26,17 @@ a CPU, where nothing waits, so that a test can fail when a hot path gains one:
 
 What it cannot see: a factory given ``torch.device("cpu")`` reads as a device tensor (on a CPU that object and
 ``x.device`` are the same), and compiled code that reads tensor memory without an aten op.
+
+On a GPU, :class:`CudaSyncs` records what torch itself reports under ``torch.cuda.set_sync_debug_mode("warn")``
+instead: every call that synchronizes a CUDA stream, compiled code's included, with the same kind of call sites,
+so that the first GPU run (scripts/gpu_acceptance.sh) shows any sync the counter above missed.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -110,13 +115,41 @@ def _stack(depth: int = 6) -> tuple[str, ...]:
     return tuple(frames) or ("<torch>",)
 
 
-class HostSyncs:
-    """Context manager recording every :class:`Sync` of the code run inside it (see the module docstring)."""
+class SyncLog:
+    """The syncs a counter recorded, and how they compare with another run's."""
 
     def __init__(self, recording: bool = True) -> None:
         self.recording = recording
-        """Whether syncs are recorded now; off, the counter still learns which tensors live on the host."""
+        """Whether syncs are recorded now."""
         self.events: list[Sync] = []
+
+    def record(self, kind: str, op: str) -> None:
+        if not self.recording:
+            return
+        stack = _stack()
+        self.events.append(Sync(kind, op, stack[0], stack))
+
+    def counts(self) -> Counter:
+        """``{(op, site): times}``: what :meth:`added_to` compares."""
+        return Counter(event.key for event in self.events)
+
+    def added_to(self, baseline: SyncLog) -> list[Sync]:
+        """The syncs of this run beyond those ``baseline`` made at the same op and site (one event per extra)."""
+        extra = self.counts() - baseline.counts()
+        out = []
+        for event in self.events:
+            if extra[event.key] > 0:
+                extra[event.key] -= 1
+                out.append(event)
+        return out
+
+
+class HostSyncs(SyncLog):
+    """Context manager recording every :class:`Sync` of the code run inside it (see the module docstring).
+    With ``recording`` off, the counter still learns which tensors live on the host."""
+
+    def __init__(self, recording: bool = True) -> None:
+        super().__init__(recording)
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._dispatch = _Dispatch(self)
         self._undo: list[tuple[Any, str, Any]] = []
@@ -132,27 +165,6 @@ class HostSyncs:
 
     def unmark(self, t: torch.Tensor) -> None:
         self._host.pop(t, None)
-
-    def record(self, kind: str, op: str) -> None:
-        if not self.recording:
-            return
-        stack = _stack()
-        self.events.append(Sync(kind, op, stack[0], stack))
-
-    # -- reading the result
-    def counts(self) -> Counter:
-        """``{(op, site): times}``: what :meth:`added_to` compares."""
-        return Counter(event.key for event in self.events)
-
-    def added_to(self, baseline: HostSyncs) -> list[Sync]:
-        """The syncs of this run beyond those ``baseline`` made at the same op and site (one event per extra)."""
-        extra = self.counts() - baseline.counts()
-        out = []
-        for event in self.events:
-            if extra[event.key] > 0:
-                extra[event.key] -= 1
-                out.append(event)
-        return out
 
     def __enter__(self) -> HostSyncs:
         for name in _FACTORIES:
@@ -194,6 +206,39 @@ class HostSyncs:
                 self.record("device-to-host copy", f'.{name}({"cpu" if name == "to" else ""})')
             return original(tensor, *args, **kwargs)
         return method
+
+
+class CudaSyncs(SyncLog):
+    """Context manager recording every call that synchronizes a CUDA stream, as torch reports it under
+    ``torch.cuda.set_sync_debug_mode("warn")`` (a warning at each), with its call sites outside torch. Unlike
+    :class:`HostSyncs` it sees into compiled code, and it needs a GPU: without one torch reports nothing. Other
+    warnings go on to where they went before."""
+
+    MESSAGE = "called a synchronizing CUDA operation"
+    """The text of torch's warning (c10/cuda/CUDAFunctions.cpp)."""
+
+    def __enter__(self) -> CudaSyncs:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")  # one warning per sync, not per call site
+        shown = warnings.showwarning
+
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            if self.MESSAGE in str(message):
+                self.record("cuda sync", "set_sync_debug_mode warning")
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        self._mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+        if self._mode is not None:
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            torch.cuda.set_sync_debug_mode(self._mode)
+        self._warnings.__exit__(*exc)
 
 
 def describe(events: list[Sync]) -> str:
@@ -274,14 +319,15 @@ def _indices(args: tuple) -> list:
     return list(indices) if isinstance(indices, (list, tuple)) else []
 
 
-def train_step_syncs(argv: list[str], counted_step: int = 2) -> tuple[HostSyncs, Any]:
+def train_step_syncs(argv: list[str], counted_step: int = 2,
+                     counter: type[SyncLog] = HostSyncs) -> tuple[SyncLog, Any]:
     """Run ``adacc train ARGV`` up to step ``counted_step`` and return the syncs of that step alone, with the run
     (its model, optimizer and extensions, for checks that the features did their work).
 
-    The counter watches from the set-up on, so that it knows which tensors the steps before made on the host
-    (an optimizer's step counts), but records only the counted step: set-up, the first step's allocations and a
-    feature's first-step work (GACT's sensitivity probe) are not the steady state. The step runs as ``adacc
-    train`` runs it, extensions' ``on_step_end`` included."""
+    The counter (:class:`HostSyncs`, or :class:`CudaSyncs` for a run on a GPU) watches from the set-up on, so that
+    it knows which tensors the steps before made on the host (an optimizer's step counts), but records only the
+    counted step: set-up, the first step's allocations and a feature's first-step work (GACT's sensitivity probe)
+    are not the steady state. The step runs as ``adacc train`` runs it, extensions' ``on_step_end`` included."""
     from megatron_adacc.core import host as core_host
     from megatron_adacc.core.saved import NONFINITE
     from megatron_adacc.core.step_end import STEP_END
@@ -292,7 +338,7 @@ def train_step_syncs(argv: list[str], counted_step: int = 2) -> tuple[HostSyncs,
     args = parse_train_args(list(argv) + ["--train-iters", str(counted_step), "--no-progress"])
     NONFINITE.reset()
     STEP_END.discard()
-    syncs = HostSyncs(recording=False)
+    syncs = counter(recording=False)
     saved_bytes: list[int] = []
     with syncs:
         with core_host.running(TrainHost()):

@@ -1,7 +1,7 @@
 """The scripts around the CUDA kernels, checked without a GPU: the architecture check that CI's compile check
 and the Docker build share (scripts/check_cuda_arches.sh) passes only when cuobjdump lists machine code for
 every architecture asked for, V100's sm_70 included; the GPU acceptance run refuses, in one line, to run
-without a GPU."""
+without a GPU, and with one (faked here) runs every step, the sync-debug training steps included."""
 
 from __future__ import annotations
 
@@ -65,3 +65,33 @@ def test_gpu_acceptance_without_a_gpu_fails_in_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.splitlines() == ["gpu_acceptance: no GPU: nvidia-smi lists no device"]
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_acceptance_runs_every_step_on_a_gpu_and_records_each(tmp_path):
+    # A GPU machine, faked: nvidia-smi lists an H100, and the Python it is given (which the script runs every
+    # step with) answers that CUDA is there, records how it was called, and succeeds.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in *driver_version*) echo "550.54, 81559 MiB, 9.0" ;; '
+                   '*) echo "NVIDIA H100 80GB HBM3" ;; esac\n')
+    calls = tmp_path / "calls.txt"
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\necho "ADACC_TEST_DEVICE=${{ADACC_TEST_DEVICE:-}} $*" >> "{calls}"\n'
+                      'case "$*" in *get_device_capability*) echo 9.0 ;; esac\nexit 0\n')
+    for tool in (smi, python):
+        tool.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(python), "OUT": str(out),
+           "MEGATRON_DIR": str(tmp_path / "no-megatron")}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_acceptance.sh")], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 1, result.stderr  # the smoke run has no Megatron-LM here
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0] == "device: NVIDIA H100 80GB HBM3"
+    steps = {line.split()[0]: line.split()[1] for line in summary if line.endswith(".log")}
+    assert steps == {"build": "ok", "codec-tests": "ok", "exact-tests": "ok", "sync-debug": "ok",
+                     "bench-codecs": "ok", "bench-budget": "ok", "megatron-smoke": "FAIL(3)"}
+    sync_debug = [c for c in calls.read_text().splitlines() if "tests/gpu_ready/test_host_syncs.py" in c]
+    assert len(sync_debug) == 1
+    assert sync_debug[0].startswith("ADACC_TEST_DEVICE=cuda -m pytest") and "-k on_a_gpu" in sync_debug[0]

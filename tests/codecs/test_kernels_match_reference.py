@@ -9,6 +9,8 @@ Z-score is within ~1e-12 of the threshold, which these inputs avoid (their outli
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from codec_test_utils import QUANTIZERS, activation_like, assert_bitwise_equal, assert_packed_equal, compress, ids, pair
@@ -74,3 +76,29 @@ def test_results_do_not_depend_on_thread_count(isa):
     from megatron_adacc.codecs._backend import compiled_kernels
 
     assert torch.allclose(compiled_kernels.channel_abs_sum(x), sums_1, rtol=1e-12, atol=0)
+
+
+def _ties_and_clamps(dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose code positions are exact ties (k + 0.5: round half to even), exact integers, the ends of the
+    code range and beyond it: symmetric rows with scale 1 (their maximum is 7) and affine rows of large values
+    with a small range, where the offset's rounding moves positions far outside [-8, 7] (the codes clamp)."""
+    ties = [v + 0.5 for v in range(-8, 7)] + [float(v) for v in range(-8, 8)] + [7.0]
+    rows = [ties * 2]
+    bases = (1000.0, -300.0, 60000.0) if dtype == torch.float16 else (1.0e6, -3.0e5, 65000.0)
+    for base in bases:
+        ulp = 2.0 ** math.floor(math.log2(abs(base))) * torch.finfo(dtype).eps  # the dtype's spacing there
+        rows.append([base + ulp * (k % 5) for k in range(len(ties) * 2)])
+    return torch.tensor(rows, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("name", "params"), [("int4_symmetric", {}), ("int4_asymmetric", {}),
+                                              ("int4_channelwise", {}), ("stochastic", {"bits": 4, "group_size": 62})])
+def test_code_rounding_ties_and_clamps_match_reference(isa, name, params, dtype):
+    # The kernels read a code from the bits of position + 1.5 * 2**23 + 8 (codec_math.h's code4), the reference
+    # rounds the clamped position: the two agree on every tie and beyond the range, in every lane and tail.
+    x = _ties_and_clamps(dtype)
+    codec, oracle = pair(name, params)
+    p, q = compress(codec, x), compress(oracle, x)
+    assert_packed_equal(p, q)
+    assert_bitwise_equal(codec.decompress(p), oracle.decompress(q))

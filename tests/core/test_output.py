@@ -45,7 +45,7 @@ _BENCH_TABLES = {
                                    "1023.9 MiB (0.95x)", "1023.9 MiB (0.95x)", "10.123 (1.00x)"]),
     "codecs": (["method", "compress GB/s", "decompress GB/s", "copy GB/s", "roundtrip vs copy",
                 "roundtrip vs copy best", "compression ratio", "max rel error", "rms rel error"],
-               ["int4_channelwise@64MB[cuda]", "1,234", "1,234", "1,234", "0.123", "0.123", "7.123", "0.123",
+               ["int4_channelwise@64MB[bf16][cuda]", "1,234", "1,234", "1,234", "0.123", "0.123", "7.123", "0.123",
                 "0.123"]),
     "gact": (["method", "held for backward", "peak memory", "largest micro batch", "step time", "final loss"],
              ["gact_fixed4", "1023.9 MiB (0.25x)", "1023.9 MiB (0.95x)", "128 (4.00x)", "1234.5 ms (1.23x)",

@@ -7,28 +7,35 @@ data, host-device copies), then compares them, op and call site, with the same s
 step is the steady state: the first holds the allocations, GACT's sensitivity probe and the outlier codec's one
 exact pass per place; Adacc's evolution samples on iterations 1, 2, 4, 8, ... (its tracking iterations, which
 read what they measure on purpose). Any sync a feature adds fails the test and is listed with its call stack.
+
+On a GPU the same steps run once more on CUDA, where torch itself reports every synchronizing call
+(``torch.cuda.set_sync_debug_mode``), compiled code's included: scripts/gpu_acceptance.sh runs those cases
+(ADACC_TEST_DEVICE=cuda, which makes a missing GPU a failure rather than a skip).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from megatron_adacc.adacc.policy.ops import OPS
 from megatron_adacc.adacc.policy.policy import Decision, Policy
-from megatron_adacc.testing.syncs import HostSyncs, Sync, describe, train_step_syncs
+from megatron_adacc.testing.syncs import CudaSyncs, HostSyncs, Sync, describe, train_step_syncs
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--device", "cpu"]
+ON_GPU = [*SMALL[:-1], "cuda"]
 COUNTED_STEP = 3
 RESIREDUCE_SCHEMES = ("residual", "a", "w", "d", "2d", "w+2d")
 #: Each feature's command line (a callable when it needs the test's folder); Adacc's policy file compresses
 #: every op with its layer-specific codec, so every Adacc codec and the 1-bit masks run.
 FEATURES = {
-    "adacc-layer-codecs": lambda tmp: ["--adacc-policy", str(_layer_codec_policy(tmp))],
+    "adacc-layer-codecs": lambda tmp, base: ["--adacc-policy", str(_layer_codec_policy(tmp))],
     "adacc-quantize-all": ["--adacc-policy", "quantize-all"],
-    "adacc-auto": lambda tmp: _auto_with_compression(tmp),
+    "adacc-auto": lambda tmp, base: _auto_with_compression(base),
     "gact-L1": ["--gact-level", "L1"],
     "adama": ["--adama", "--clip-grad", "0"],
     "adama-distributed": ["--adama", "--use-distributed-optimizer", "--clip-grad", "0", "--ddp-bucket-size", "5000"],
@@ -82,7 +89,7 @@ def _layer_codec_policy(tmp):
     return save_policy(policy, tmp / "layer-codecs.json")
 
 
-def _auto_with_compression(tmp) -> list[str]:
+def _auto_with_compression(base: list[str]) -> list[str]:
     """``auto`` at the smallest budget it can meet, where it must compress. The budget counts the process's
     memory too, so the baseline is fixed (a measured one varies by more than the tiny model's activations)."""
     from megatron_adacc.adacc.integration.auto import resolve_policy
@@ -92,7 +99,7 @@ def _auto_with_compression(tmp) -> list[str]:
 
     flags = ["--adacc-policy", "auto", "--adacc-process-baseline", "360MiB", "--adacc-memory-budget"]
     try:
-        resolve_policy(parse_train_args(SMALL + flags + ["1MiB"]), tiny_config(), isolate=True)
+        resolve_policy(parse_train_args(base + flags + ["1MiB"]), tiny_config(), isolate=True)
     except InfeasibleBudgetError as refused:
         return flags + [str(refused.min_feasible_bytes + 1024)]
     raise AssertionError("auto met a 1 MiB budget")
@@ -111,12 +118,36 @@ def _did_its_work(feature: str, run) -> None:
         assert getattr(run.optimizer, "folds_gradients", False)
 
 
+def _flags(feature: str, tmp_path, base: list[str]) -> list[str]:
+    argv = FEATURES[feature]
+    return base + (argv(tmp_path, base) if callable(argv) else argv)
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 def test_a_feature_adds_no_host_sync_to_stock_megatrons_step(stock, feature, tmp_path):
-    argv = FEATURES[feature]
-    syncs, run = train_step_syncs(SMALL + (argv(tmp_path) if callable(argv) else argv), COUNTED_STEP)
+    syncs, run = train_step_syncs(_flags(feature, tmp_path, SMALL), COUNTED_STEP)
     _did_its_work(feature, run)
     added = [s for s in syncs.added_to(stock) if not any(a.covers(s) for a in ALLOWED)]
     assert not added, (f"{feature} makes the host wait for the device {len(added)} more time(s) per training step "
                        f"than stock Megatron (op, call site and callers; see megatron_adacc/testing/syncs.py):\n"
+                       f"{describe(added)}")
+
+
+@pytest.fixture(scope="module")
+def stock_on_gpu() -> CudaSyncs:
+    if not torch.cuda.is_available():
+        if os.environ.get("ADACC_TEST_DEVICE") == "cuda":
+            pytest.fail("ADACC_TEST_DEVICE=cuda but torch sees no CUDA device", pytrace=False)
+        pytest.skip("needs a GPU (scripts/gpu_acceptance.sh runs these)")
+    syncs, _ = train_step_syncs(ON_GPU, COUNTED_STEP, CudaSyncs)
+    return syncs
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_on_a_gpu_a_feature_adds_no_synchronizing_cuda_call(stock_on_gpu, feature, tmp_path):
+    syncs, run = train_step_syncs(_flags(feature, tmp_path, ON_GPU), COUNTED_STEP, CudaSyncs)
+    _did_its_work(feature, run)
+    added = syncs.added_to(stock_on_gpu)
+    assert not added, (f"{feature} synchronizes the CUDA stream {len(added)} more time(s) per training step than "
+                       f"stock Megatron, as torch.cuda.set_sync_debug_mode reports (call site and callers):\n"
                        f"{describe(added)}")

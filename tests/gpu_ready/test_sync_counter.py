@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 
-from megatron_adacc.testing.syncs import HostSyncs, describe
+from megatron_adacc.testing.syncs import CudaSyncs, HostSyncs, describe
 
 
 def _ops(syncs: HostSyncs) -> list[str]:
@@ -90,3 +93,28 @@ def test_wrapped_calls_are_restored_on_exit():
         assert torch.tensor is not before[0]
     assert (torch.tensor, torch.Tensor.to, torch.Tensor.cpu) == before
     assert "cpu" not in torch.Tensor.__dict__
+
+
+def test_cuda_syncs_records_torchs_sync_warnings_at_their_call_site_and_passes_others_on():
+    # torch warns with this text at each synchronizing CUDA call under set_sync_debug_mode("warn"); a CPU
+    # machine has none to make, so the warning is raised here as torch's C++ raises it for a Python caller.
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        with CudaSyncs() as syncs:
+            for _ in range(2):
+                warnings.warn(CudaSyncs.MESSAGE, UserWarning)
+            warnings.warn("something else", UserWarning)
+            syncs.recording = False
+            warnings.warn(CudaSyncs.MESSAGE, UserWarning)
+    assert [s.kind for s in syncs.events] == ["cuda sync", "cuda sync"]
+    assert all(s.site.startswith("tests/gpu_ready/test_sync_counter.py:") for s in syncs.events)
+    assert [str(w.message) for w in others] == ["something else"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_syncs_sees_a_real_sync_on_a_gpu():
+    x = torch.ones(4, device="cuda")
+    with CudaSyncs() as syncs:
+        x.sum().item()
+    assert len(syncs.events) == 1, describe(syncs.events)
+    assert torch.cuda.get_sync_debug_mode() == 0
