@@ -18,7 +18,9 @@
 #   scripts/gpu_acceptance.sh
 #
 # Environment: PYTHON (default python: a torch with CUDA), MEGATRON_DIR (default /opt/megatron-lm), OUT (the
-# results folder), TORCH_CUDA_ARCH_LIST (default: this GPU's compute capability).
+# results folder), TORCH_CUDA_ARCH_LIST (default: this GPU's compute capability), STEPS (the steps to run, by name,
+# separated by spaces; default all: a short lease runs what fits, the others are listed as skipped), STEP_TIMEOUT_S
+# (each step's time limit; default none).
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,8 +57,16 @@ status=0
 step() {
   local name="$1" t0=$SECONDS rc
   shift
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then
+    printf '%-22s %-7s\n' "$name" skipped | tee -a "$summary"
+    return
+  fi
   echo "== $name: $*"
-  (cd "$root" && "$@") >"$out/$name.log" 2>&1
+  if [[ -n "${STEP_TIMEOUT_S:-}" ]]; then  # through bash: timeout runs no shell function (build, smoke) itself
+    (cd "$root" && timeout "$STEP_TIMEOUT_S" bash -c '"$@"' step "$@") >"$out/$name.log" 2>&1
+  else
+    (cd "$root" && "$@") >"$out/$name.log" 2>&1
+  fi
   rc=$?
   (( rc == 0 )) || status=1
   printf '%-22s %-7s %5d s  %s\n' "$name" "$( ((rc)) && echo "FAIL($rc)" || echo ok)" $((SECONDS - t0)) "$name.log" \
@@ -80,6 +90,8 @@ smoke() {
     scripts/megatron_lm_smoke.sh
 }
 
+export python out
+export -f build smoke
 step build build
 step codec-tests env ADACC_TEST_DEVICE=cuda "$python" -m pytest tests/codecs -q -p no:cacheprovider \
   --junitxml="$out/codec-tests.xml"
