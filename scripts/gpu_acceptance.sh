@@ -76,7 +76,7 @@ step() {
 # shellcheck disable=SC2329  # build and smoke run through step
 build() {
   ADACC_BUILD_CUDA=1 MAX_JOBS="$(nproc)" "$python" setup.py build_ext --inplace \
-    && "$python" -c 'from megatron_adacc import _C; assert _C.with_cuda, "no CUDA kernels"; print(_C.__file__)'
+    && "$python" -c 'import torch; from megatron_adacc import _C; assert _C.with_cuda, "no CUDA kernels"; print(_C.__file__)'
 }
 
 # shellcheck disable=SC2329
