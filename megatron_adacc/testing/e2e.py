@@ -35,7 +35,7 @@ from pathlib import Path
 from megatron_adacc.comm.options import SCHEMES
 from megatron_adacc.compat.process import free_port
 from megatron_adacc.models import SDPA_SPEC_FLAG
-from megatron_adacc.testing.records import RECORD_ENV, read_records
+from megatron_adacc.testing.records import RECORD_ENV, read_records, read_report
 
 #: A 2-layer GPT, mock data, 2 micro-batches per step, no apex (the flags an apex-less image needs).
 SMALL_GPT = (
@@ -117,6 +117,8 @@ CASES: tuple[Case, ...] = (
     Case("recompute-tp2", (*_parallel(tp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-tp2"),
     Case("stock-pp2", _parallel(pp=2), nproc=2, stock=True),
     Case("recompute-pp2", (*_parallel(pp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-pp2"),
+    # Each stage solves for its own layers and the micro-batches it holds in flight (stage 0: both of a step).
+    Case("auto-pp2", (*_parallel(pp=2), *AUTO), nproc=2, reference="stock-pp2", loss_tolerance=0.05),
     # Resuming: 5 iterations, save, exit; load, 5 more == 10 straight, bit for bit.
     Case("stock-resume", stock=True, resume_at=5, reference="stock"),
     Case("auto-int4-resume", AUTO, resume_at=5, reference="auto-int4", budget_from="auto-int4"),
@@ -217,6 +219,8 @@ class Run:
     wall_s: float
     records: list[dict] = field(default_factory=list)
     output: str = ""
+    reports: dict[int, dict] = field(default_factory=dict)
+    """Each rank's features' reports at the end of the run (the last launch of a resumed case)."""
 
     @property
     def ok(self) -> bool:
@@ -237,7 +241,7 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
     pipeline stage)."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / c.name
-    for old in workdir.glob(f"{c.name}.rank*.jsonl"):
+    for old in [*workdir.glob(f"{c.name}.rank*.jsonl"), *workdir.glob(f"{c.name}.rank*.report.json")]:
         old.unlink()
     flags = [*SMALL_GPT, "--train-iters", str(c.iterations), *c.flags, *extra]
     if not c.stock and _adacc_on(flags):  # a flag of a feature left off is refused
@@ -259,6 +263,7 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
     last = c.nproc - 1
     if Path(f"{record}.rank{last}.jsonl").exists():
         run.records = read_records(record, last)
+    run.reports = {rank: report for rank in range(c.nproc) if (report := read_report(record, rank)) is not None}
     return run
 
 

@@ -10,6 +10,7 @@ each against its reference: stock Megatron for exact policies, the straight run 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -98,3 +99,25 @@ def test_feature_state_was_saved_and_restored(runs, workdir):
         for rank in range(ranks):
             folder = workdir / f"{name}.checkpoints" / "iter_0000005" / "megatron_adacc"
             assert (folder / f"rank{rank:05d}.pt").is_file(), folder
+
+
+def _selected(runs, *names):
+    missing = [n for n in names if n not in runs]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (ADACC_E2E_CASES)")
+    return [runs[n] for n in names]
+
+
+def test_auto_under_pipeline_parallelism_plans_each_stage(runs):
+    """``auto`` at PP 2: stage 0 holds both micro-batches of a step in flight under 1F1B, stage 1 one; each stage
+    installs its own slice of the one policy, and the bytes its layers held for backward are what its own
+    prediction said (the solver's per-layer bytes for one micro-batch, as the single-process runs check them)."""
+    (run,) = _selected(runs, "auto-pp2")
+    reports = [run.reports[rank]["adacc"] for rank in (0, 1)]
+    assert [r["in_flight"] for r in reports] == [2, 1]
+    assert reports[0]["decisions"] != reports[1]["decisions"], reports
+    for report in reports:
+        assert report["layer_bytes_measured"] == report["layer_bytes_predicted"], report
+        assert report["predicted_peak_bytes"] <= report["budget_bytes"]
+    assert all(math.isfinite(r["loss"]) for r in run.records)
+
