@@ -102,6 +102,12 @@ def _parallel(tp: int = 1, pp: int = 1) -> tuple[str, ...]:
     return ("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp))
 
 
+def tensor_parallel(c: Case) -> int:
+    """The case's tensor-parallel size."""
+    flags = list(c.flags)
+    return int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+
+
 #: The matrix. ``stock*`` are the references; ``auto-*`` budgets are placed by :func:`auto_budget_flags`.
 CASES: tuple[Case, ...] = (
     Case("stock", stock=True),
@@ -115,10 +121,15 @@ CASES: tuple[Case, ...] = (
     Case("recompute-dp2", ("--adacc-policy", "recompute"), nproc=2, reference="stock-dp2"),
     Case("stock-tp2", _parallel(tp=2), nproc=2, stock=True),
     Case("recompute-tp2", (*_parallel(tp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-tp2"),
+    Case("keep-tp2", (*_parallel(tp=2), "--adacc-policy", "keep"), nproc=2, reference="stock-tp2"),
+    Case("quantize-tp2", (*_parallel(tp=2), "--adacc-policy", "quantize-all"), nproc=2, reference="stock-tp2",
+         loss_tolerance=0.05),
     Case("stock-pp2", _parallel(pp=2), nproc=2, stock=True),
     Case("recompute-pp2", (*_parallel(pp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-pp2"),
     # Each stage solves for its own layers and the micro-batches it holds in flight (stage 0: both of a step).
     Case("auto-pp2", (*_parallel(pp=2), *AUTO), nproc=2, reference="stock-pp2", loss_tolerance=0.05),
+    # Untied: the word embeddings' gradient is whole on one stage when AdamA folds it.
+    Case("adama-pp2", (*_parallel(pp=2), *ADAMA, "--untie-embeddings-and-output-weights"), nproc=2, trains=True),
     # Resuming: 5 iterations, save, exit; load, 5 more == 10 straight, bit for bit.
     Case("stock-resume", stock=True, resume_at=5, reference="stock"),
     Case("auto-int4-resume", AUTO, resume_at=5, reference="auto-int4", budget_from="auto-int4"),

@@ -121,3 +121,11 @@ def test_auto_under_pipeline_parallelism_plans_each_stage(runs):
         assert report["predicted_peak_bytes"] <= report["budget_bytes"]
     assert all(math.isfinite(r["loss"]) for r in run.records)
 
+
+def test_tensor_parallel_ranks_agree(runs, workdir):
+    """Both tensor-parallel ranks of a TP 2 case record the same losses and gradient norms, bit for bit."""
+    names = [name for name, run in runs.items() if e2e.tensor_parallel(run.case) > 1]
+    if not names:
+        pytest.skip("no tensor-parallel case selected (ADACC_E2E_CASES)")
+    for name in names:
+        assert e2e.read_records(workdir / name, 0) == runs[name].records, name
