@@ -116,7 +116,8 @@ def on_rank0(work: Callable[[], T]) -> T:
 
 
 def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, isolate: bool = False) -> Policy:
-    """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory).
+    """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory), each
+    pipeline stage for its own layers (:func:`solve_stages`).
 
     Raises :class:`~megatron_adacc.adacc.policy.strategies.InfeasibleBudgetError` before training when no policy
     fits, naming the smallest feasible budget.
