@@ -131,6 +131,12 @@ def problems(args: Any) -> list[str]:
     if getattr(args, "num_experts", None) is not None:
         found.append("--adacc-policy supports dense GPT layers only; drop --num-experts")
     found += _attention_problems(args)
+    tensor = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tensor > 1 and str(getattr(args, "adacc_policy", "")).lower() == "auto":
+        found.append(f"--adacc-policy auto cannot plan under --tensor-model-parallel-size {tensor}: its profiler "
+                     "times one layer in a process of its own, which builds the whole layer, not a rank's shard, so "
+                     "the policy would be solved for other sizes; use a preset (keep, recompute, quantize-all) or a "
+                     "policy file, or --tensor-model-parallel-size 1")
     if getattr(args, "adacc_trace_backward", False) and getattr(args, "device", "cpu") != "cuda":
         from megatron_adacc.adacc.runtime.stages import trace_problem
 

@@ -34,9 +34,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def problems(args: Any) -> list[str]:
     found = saved_tensor_hook_problems("--gact-level", args)
-    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
-        found.append("--gact-level probes gradients with a plain forward and backward of one batch, which "
-                     "pipeline parallelism cannot run; use --pipeline-model-parallel-size 1")
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1 and getattr(args, "gact_adaptive", True):
+        found.append("--gact-level's adaptive bits probe gradients with a plain forward and backward of one batch "
+                     "through the rank's model, which a pipeline stage cannot run alone (its layers need the other "
+                     "stages' activations and gradients); add --no-gact-adaptive (fixed bits, no probe) or use "
+                     "--pipeline-model-parallel-size 1")
     return found
 
 

@@ -188,7 +188,7 @@ def check_supported(args: Any, config: Any = None) -> None:
             "mini-batch), so --overlap-grad-reduce has no meaning: drop it, or add --use-distributed-optimizer, "
             "whose gradient reductions always overlap backward")
     if config is not None:
-        _check_parallelism(config)
+        _check_parallelism(args, config)
 
 
 def _check_clipping(args: Any) -> None:
@@ -207,11 +207,15 @@ def _check_clipping(args: Any) -> None:
             "each rank slices of them; clip by the micro-batch's global norm instead: --clip-grad C")
 
 
-def _check_parallelism(config: Any) -> None:
+def _check_parallelism(args: Any, config: Any) -> None:
     """The parallel modes whose gradients need Megatron's cross-rank reductions before they are final."""
-    if getattr(config, "pipeline_model_parallel_size", 1) > 1:
-        raise IntegrationError("--adama supports pipeline-model-parallel size 1 only (tied embedding gradients "
-                               "would need Megatron's cross-stage reduction before folding).")
+    if (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1 and \
+            not _arg(args, "untie_embeddings_and_output_weights", False):
+        raise IntegrationError(
+            "--adama under pipeline parallelism needs --untie-embeddings-and-output-weights: tied, the word "
+            "embeddings' gradient is the first stage's plus the last stage's, which Megatron adds across the stages "
+            "after the step's last backward, while AdamA folds every micro-batch's gradient as backward makes it; "
+            "add --untie-embeddings-and-output-weights, or use --pipeline-model-parallel-size 1.")
     if getattr(config, "context_parallel_size", 1) > 1:
         raise IntegrationError("--adama supports --context-parallel-size 1 only (each sequence's gradient is summed "
                                "over the context-parallel ranks before it is final).")

@@ -35,7 +35,7 @@ from pathlib import Path
 from megatron_adacc.comm.options import SCHEMES
 from megatron_adacc.compat.process import free_port
 from megatron_adacc.models import SDPA_SPEC_FLAG
-from megatron_adacc.testing.records import RECORD_ENV, read_records
+from megatron_adacc.testing.records import RECORD_ENV, read_records, read_report
 
 #: A 2-layer GPT, mock data, 2 micro-batches per step, no apex (the flags an apex-less image needs).
 SMALL_GPT = (
@@ -74,6 +74,8 @@ class Case:
     """``--adacc-profile-db`` (a file of the work folder): cases that name the same one share profiles."""
     fresh_profile: bool = False
     """Empty the profile database first: ``auto`` profiles (cold cache)."""
+    on_demand: bool = False
+    """Run only when named (``ADACC_E2E_CASES``, the command line): too heavy for CI's 2 cores (4 ranks)."""
 
 
 #: ``--resireduce`` schemes: every one the comm feature offers.
@@ -102,6 +104,12 @@ def _parallel(tp: int = 1, pp: int = 1) -> tuple[str, ...]:
     return ("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp))
 
 
+def tensor_parallel(c: Case) -> int:
+    """The case's tensor-parallel size."""
+    flags = list(c.flags)
+    return int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+
+
 #: The matrix. ``stock*`` are the references; ``auto-*`` budgets are placed by :func:`auto_budget_flags`.
 CASES: tuple[Case, ...] = (
     Case("stock", stock=True),
@@ -115,8 +123,24 @@ CASES: tuple[Case, ...] = (
     Case("recompute-dp2", ("--adacc-policy", "recompute"), nproc=2, reference="stock-dp2"),
     Case("stock-tp2", _parallel(tp=2), nproc=2, stock=True),
     Case("recompute-tp2", (*_parallel(tp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-tp2"),
+    Case("keep-tp2", (*_parallel(tp=2), "--adacc-policy", "keep"), nproc=2, reference="stock-tp2"),
+    Case("quantize-tp2", (*_parallel(tp=2), "--adacc-policy", "quantize-all"), nproc=2, reference="stock-tp2",
+         loss_tolerance=0.05),
     Case("stock-pp2", _parallel(pp=2), nproc=2, stock=True),
     Case("recompute-pp2", (*_parallel(pp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-pp2"),
+    # Each stage solves for its own layers and the micro-batches it holds in flight (stage 0: both of a step).
+    Case("auto-pp2", (*_parallel(pp=2), *AUTO), nproc=2, reference="stock-pp2", loss_tolerance=0.05),
+    # Untied: the word embeddings' gradient is whole on one stage when AdamA folds it.
+    Case("adama-pp2", (*_parallel(pp=2), *ADAMA, "--untie-embeddings-and-output-weights"), nproc=2, trains=True),
+    # ResiReduce per tensor-parallel shard: each TP rank's data-parallel group reduces its own. Keeping every entry
+    # (density 1), its sum over 2 ranks is Megatron's all-reduce bit for bit.
+    Case("stock-tp2dp2", _parallel(tp=2), nproc=4, stock=True, on_demand=True),
+    Case("resireduce-dense-tp2dp2", (*_parallel(tp=2), "--resireduce", "residual", "--grad-compress-density", "1.0"),
+         nproc=4, reference="stock-tp2dp2", on_demand=True),
+    Case("resireduce-tp2dp2", (*_parallel(tp=2), "--resireduce", "residual"), nproc=4, trains=True, on_demand=True),
+    Case("stock-pp2dp2", _parallel(pp=2), nproc=4, stock=True, on_demand=True),
+    Case("resireduce-dense-pp2dp2", (*_parallel(pp=2), "--resireduce", "residual", "--grad-compress-density", "1.0"),
+         nproc=4, reference="stock-pp2dp2", on_demand=True),
     # Resuming: 5 iterations, save, exit; load, 5 more == 10 straight, bit for bit.
     Case("stock-resume", stock=True, resume_at=5, reference="stock"),
     Case("auto-int4-resume", AUTO, resume_at=5, reference="auto-int4", budget_from="auto-int4"),
@@ -149,6 +173,10 @@ def case(name: str) -> Case:
         if c.name == name:
             return c
     raise KeyError(f"no case {name!r}; known: {', '.join(c.name for c in CASES)}")
+
+
+#: What runs when no case is named (CI's matrix): every case but the on-demand ones.
+CI_CASES: tuple[Case, ...] = tuple(c for c in CASES if not c.on_demand)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -217,6 +245,8 @@ class Run:
     wall_s: float
     records: list[dict] = field(default_factory=list)
     output: str = ""
+    reports: dict[int, dict] = field(default_factory=dict)
+    """Each rank's features' reports at the end of the run (the last launch of a resumed case)."""
 
     @property
     def ok(self) -> bool:
@@ -237,7 +267,7 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
     pipeline stage)."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / c.name
-    for old in workdir.glob(f"{c.name}.rank*.jsonl"):
+    for old in [*workdir.glob(f"{c.name}.rank*.jsonl"), *workdir.glob(f"{c.name}.rank*.report.json")]:
         old.unlink()
     flags = [*SMALL_GPT, "--train-iters", str(c.iterations), *c.flags, *extra]
     if not c.stock and _adacc_on(flags):  # a flag of a feature left off is refused
@@ -259,6 +289,7 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
     last = c.nproc - 1
     if Path(f"{record}.rank{last}.jsonl").exists():
         run.records = read_records(record, last)
+    run.reports = {rank: report for rank in range(c.nproc) if (report := read_report(record, rank)) is not None}
     return run
 
 
@@ -399,7 +430,7 @@ def table(runs: dict[str, Run]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_adacc.testing.e2e", description=__doc__.split("\n")[0])
-    parser.add_argument("cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("cases", nargs="*", help="case names (default: all but the on-demand ones)")
     parser.add_argument("--checkout", type=Path, help="patched Megatron-LM checkout")
     parser.add_argument("--unpatched", type=Path, help="the same commit, unpatched")
     parser.add_argument("--workdir", type=Path, default=Path("e2e-runs"))
@@ -408,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.checkout is None) != (args.unpatched is None):
         parser.error("--checkout and --unpatched go together")
     launcher = Checkout(args.checkout.resolve(), args.unpatched.resolve()) if args.checkout else EntryPoint()
-    cases = [case(n) for n in args.cases] if args.cases else list(CASES)
+    cases = [case(n) for n in args.cases] if args.cases else list(CI_CASES)
     runs = run_matrix(cases, launcher, args.workdir.resolve())
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = (f"# Megatron-LM end to end on CPU ({stamp}, {os.cpu_count()} cores, no GPU)\n\n{launcher.describe()}\n\n"

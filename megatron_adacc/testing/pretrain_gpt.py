@@ -17,8 +17,8 @@ parallelism, multi-token prediction or ModelOpt, which it refuses by name). It d
 tests. On a machine without a GPU the CPU harness (:mod:`megatron_adacc.testing.megatron_lm_cpu`) is installed
 before Megatron is imported.
 
-``ADACC_E2E_RECORD=PATH`` records every iteration's exact loss and gradient norm
-(:mod:`megatron_adacc.testing.records`).
+``ADACC_E2E_RECORD=PATH`` records every iteration's exact loss and gradient norm, and each rank's features' reports
+at the end (:mod:`megatron_adacc.testing.records`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.testing.records import RECORD_ENV, record_iterations
+from megatron_adacc.testing.records import RECORD_ENV, record_iterations, write_report
 
 #: Megatron-LM options this entry point's batch and loss code does not implement.
 _UNSUPPORTED = {"sft": "--sft", "fim_data": "--fim-data", "mtp_num_layers": "--mtp-num-layers",
@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         record_iterations(training, os.environ[RECORD_ENV])
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, _datasets_provider, ModelType.encoder_or_decoder, _forward_step)
+    session = None if stock else adacc_megatron_lm.current_session()
+    if os.environ.get(RECORD_ENV) and session is not None:
+        write_report(os.environ[RECORD_ENV], session.report())
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Megatron logs its reduced ``lm loss`` and gradient norm rounded to a few digits; the end-to-end tests compare
 them exactly. :func:`record_iterations` wraps ``megatron.training.training.train_step`` and appends one JSON
-line per iteration to ``<path>.rank<R>.jsonl``, the two values as ``float.hex`` strings.
+line per iteration to ``<path>.rank<R>.jsonl``, the two values as ``float.hex`` strings; :func:`write_report` puts
+the features' end-of-run reports beside them (``<path>.rank<R>.report.json``).
 """
 
 from __future__ import annotations
@@ -53,3 +54,19 @@ def read_records(path: str | Path, rank: int) -> list[dict]:
                 row[key] = float.fromhex(row[key]) if row[key] is not None else None
             rows.append(row)
     return rows
+
+
+def _report_path(path: str | Path, rank: int) -> Path:
+    return Path(f"{path}.rank{rank}.report.json")
+
+
+def write_report(path: str, report: dict) -> None:
+    """This rank's features' reports at the end of the run (what ``adacc train`` prints as ``extensions``)."""
+    rank = int(os.environ.get("RANK", "0"))
+    _report_path(path, rank).write_text(json.dumps(report, default=str) + "\n")
+
+
+def read_report(path: str | Path, rank: int) -> dict | None:
+    """What :func:`write_report` wrote for ``rank``, or None."""
+    found = _report_path(path, rank)
+    return json.loads(found.read_text()) if found.exists() else None

@@ -8,13 +8,15 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_adacc.adacc.integration import profile_child
-from megatron_adacc.adacc.integration.model_states import charge_static
+from megatron_adacc.adacc.integration.checks import UnsupportedConfigError
+from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout
 from megatron_adacc.adacc.policy.io import load_policy
 from megatron_adacc.adacc.policy.policy import Policy, preset_key
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
-from megatron_adacc.adacc.policy.solver import SolveOptions, solve_policy
+from megatron_adacc.adacc.policy.solver import SolveOptions, op_costs, solve_stage
+from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.adacc.runtime import stages
 from megatron_adacc.core.devices import resident_bytes, resolve_device
 from megatron_adacc.core.errors import AdaccError
@@ -114,7 +116,8 @@ def on_rank0(work: Callable[[], T]) -> T:
 
 
 def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, isolate: bool = False) -> Policy:
-    """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory).
+    """Profile if needed, then solve the MILP under ``--adacc-memory-budget`` (default: the device's memory), each
+    pipeline stage for its own layers (:func:`solve_stages`).
 
     Raises :class:`~megatron_adacc.adacc.policy.strategies.InfeasibleBudgetError` before training when no policy
     fits, naming the smallest feasible budget.
@@ -123,23 +126,54 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
 
     device = _device(args)
     resident = resident_bytes()  # before profiling, which may run in this process
-    profile, ref = get_or_make_profile(args, config, log=log, isolate=isolate)
+    layer, ref = _stored_or_new_profile(args, config, log, False, isolate)
+    profile = charge_static(layer, args, config)
     if (device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None)
             and not getattr(args, CALIBRATION_RUN, False)):
         # Kept on args so that policy evolution re-solves against the same process memory.
         args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
     options = SolveOptions.from_args(args)
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
+    return on_rank0(lambda: solve_stages(layer, ref, args, config, budget, options, log))
 
-    def solve() -> Policy:
-        policy, result = solve_policy(profile, budget, options, profile_ref=ref,
-                                      signature=model_signature(config, args))
-        log(f"policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms ({policy.summary()}): "
+
+def solve_stages(layer: LayerProfile, ref: dict[str, Any], args: Any, config: Any, budget: float,
+                 options: SolveOptions, log: Callable[[str], None] = _log) -> Policy:
+    """The policy of the run ``args``/``config`` describe, from the layer's profile: every pipeline stage solved for
+    its own layers, its own model states and the micro-batches it holds in flight under 1F1B
+    (:func:`~megatron_adacc.adacc.policy.solver.solve_stage`), joined into one policy of every layer (global layer
+    numbers) from which each stage installs its slice. A stage that fits no policy refuses the run with the
+    largest budget any stage needs."""
+    pipeline = stage_layout(args, config)
+    signature = model_signature(config, args)
+    parts, refusals = [], []
+    for stage, (parameters, layers, held) in enumerate(pipeline):
+        try:
+            part, result = solve_stage(charge_static(layer, args, config, stage, parameters), budget, options,
+                                       layers=layers, in_flight=held, profile_ref=ref, signature=signature)
+        except InfeasibleBudgetError as exc:
+            refusals.append((exc.min_feasible_bytes, stage, exc))
+            continue
+        where = (f"pipeline stage {stage} (layers {stage * layers}-{stage * layers + layers - 1}, {held} "
+                 f"micro-batch{'es' if held > 1 else ''} in flight): " if len(pipeline) > 1 else "")
+        log(f"{where}policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms ({part.summary()}): "
             f"predicted {format_bytes(result.predicted_memory_bytes, 2, like=budget)} of "
-            f"{format_bytes(budget, 2)}, overhead {result.predicted_time_s * 1e3:.1f} ms per micro-batch")
-        return policy
-
-    return on_rank0(solve)
+            f"{format_bytes(budget, 2)}, overhead {result.predicted_time_s / held * 1e3:.1f} ms per micro-batch")
+        parts.append(part)
+    if refusals:
+        need, stage, exc = max(refusals, key=lambda r: r[0])
+        if len(pipeline) == 1:
+            raise exc
+        raise InfeasibleBudgetError(budget, need, f" (pipeline stage {stage}, the stage that needs the most)")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    strategies = " / ".join(part.solver.get("strategy", "-") for part in parts)
+    policy = Policy.join(parts, signature=signature, budget_bytes=first.budget_bytes, profile=first.profile,
+                         name=first.name, solver={**first.solver, "strategy": strategies,
+                                                  "solve_time_s": sum(p.solver["solve_time_s"] for p in parts)})
+    policy.op_costs = op_costs(layer, policy)
+    return policy
 
 
 def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resident: int,
@@ -260,4 +294,18 @@ def resolve_policy(args: Any, config: Any, *, isolate: bool = False) -> Policy |
         return make_policy(args, config, isolate=isolate)
     if preset_key(key) is not None:
         return Policy.preset(key, config.num_layers)
-    return load_policy(spec, signature=model_signature(config, args))
+    return check_layer_count(load_policy(spec, signature=model_signature(config, args)), config, spec)
+
+
+def check_layer_count(policy: Policy, config: Any, source: str) -> Policy:
+    """``policy`` when it can run on this model: every layer's decisions (each pipeline stage installs its slice)
+    or, under pipeline parallelism, one stage's (every stage installs the same); else one line, before anything is
+    built. (A signed policy was checked whole against the model's signature already.)"""
+    pipeline = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    fits = {config.num_layers, config.num_layers // pipeline}
+    if policy.num_layers not in fits:
+        stage = f" or one pipeline stage's {config.num_layers // pipeline}" if pipeline > 1 else ""
+        raise UnsupportedConfigError(
+            f"the policy {source} has {policy.num_layers} layers but this model has {config.num_layers}{stage} "
+            f"(--num-layers); make the policy for this model (adacc solve ... --num-layers {config.num_layers})")
+    return policy

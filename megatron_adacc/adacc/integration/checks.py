@@ -35,8 +35,10 @@ _CONFIG_RULES: tuple[tuple[str, Any, str], ...] = (
     ("use_te_activation_func", bool,
      "transformer-engine activations (--use-te-activation-func) are not supported; drop it"),
     ("sequence_parallel", bool,
-     "sequence parallelism (--sequence-parallel) is not supported by the Adacc runtime (and the local layer "
-     "spec's torch norms refuse it); drop --sequence-parallel"),
+     "sequence parallelism (--sequence-parallel) needs norms whose weight gradients Megatron adds over the "
+     "tensor-parallel ranks (each rank normalizes its own part of the sequence), which transformer-engine's and "
+     "apex's norms are marked for; megatron-core's local layer spec, the one the Adacc runtime decomposes, builds "
+     "torch norms, which refuse it; drop --sequence-parallel"),
     ("cuda_graph_impl", lambda v: v not in (None, "none"),
      "CUDA graphs (--cuda-graph-impl) capture the layer forward the runtime replaces; use --cuda-graph-impl none"),
     ("context_parallel_size", lambda v: (v or 1) > 1,

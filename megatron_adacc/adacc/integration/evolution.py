@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile
-from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, solve_policy
+from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_stage, solve_stage
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
 from megatron_adacc.core.log import get_logger
@@ -183,6 +183,9 @@ class PolicyEvolution(TrainingExtension):
     apply: Callable[[Policy], None] | None = None
     cap: int = 1024
     min_gain: float = MIN_GAIN
+    in_flight: int = 1
+    """Micro-batches whose activations the policy's layers hold at once (a pipeline stage's, under 1F1B): the
+    solve and the comparison count each."""
     log: Callable[[str], None] = _default_log
     name: str = "adacc_evolution"
     state_optional = True  # evolution starts from the run's own profile and policy
@@ -272,15 +275,16 @@ class PolicyEvolution(TrainingExtension):
         self.outliers.add(iteration, measured)
         self.profile = self.updated_profile(measured)
         chain = self.options.chain_aware
-        current = evaluate_policy(self.profile, self.policy, chain_aware=chain)
+        current = evaluate_stage(self.profile, self.policy, self.in_flight, chain_aware=chain)
         candidate: Policy | None = None
         try:
-            candidate, _ = solve_policy(self.profile, self.budget_bytes, self.options,
-                                        num_layers=self.policy.num_layers, profile_ref=self.policy.profile,
-                                        signature=self.policy.signature)
+            candidate, _ = solve_stage(self.profile, self.budget_bytes, self.options, layers=self.policy.num_layers,
+                                       in_flight=self.in_flight, profile_ref=self.policy.profile,
+                                       signature=self.policy.signature)
         except InfeasibleBudgetError as e:
             reason = f"no policy fits any more ({e}); keeping the current one"
-        cand = evaluate_policy(self.profile, candidate, chain_aware=chain) if candidate is not None else None
+        cand = (evaluate_stage(self.profile, candidate, self.in_flight, chain_aware=chain)
+                if candidate is not None else None)
         fits = current["memory_bytes"] <= self.budget_bytes
         same = candidate is not None and candidate.same_decisions(self.policy)
         switched = False
@@ -324,7 +328,7 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
     when the policy does not reference a stored profile (presets, hand-written files)."""
     if getattr(args, "adacc_no_evolution", False) or policy.profile is None or policy.budget_bytes is None:
         return None
-    from megatron_adacc.adacc.integration.model_states import charge_static
+    from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout, this_stage
     from megatron_adacc.adacc.policy.profile_db import ProfileDB
 
     ref = policy.profile
@@ -339,8 +343,14 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
 
         install(new, config=config)
 
+    held = 1
     if config is not None:  # re-solves count this run's model states and workspace, as its first solve did
         profile = charge_static(profile, args, config)
+        if (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1:
+            # a pipeline stage re-solves its own layers for its micro-batches in flight, as auto solved them
+            stage = this_stage()
+            _, layers, held = stage_layout(args, config)[stage]
+            policy = policy.stage(stage * layers, layers) if policy.num_layers != layers else policy
     return PolicyEvolution(profile=profile, policy=policy, budget_bytes=float(policy.budget_bytes),
                            options=_solved_with(args, policy, profile), apply=apply,
-                           cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024))
+                           cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024), in_flight=held)

@@ -106,6 +106,8 @@ class AdaccExtension(TrainingExtension):
         if out["layer_bytes_predicted"] is None and predicted.get("per_layer"):
             # the solver's figure when the layers' sizes were not profiled in this run (--adacc-predict-memory)
             out["layer_bytes_predicted"] = sum(r["activation_bytes"] for r in predicted["per_layer"])
+        if "in_flight" in predicted:  # a pipeline stage's policy: the micro-batches its solve held at once
+            out["in_flight"] = predicted["in_flight"]
         out.update(self._budget_check(predicted.get("memory_bytes")))
         if self._stages:
             out["backward_stages"] = _stages_report(self._stages, predicted)

@@ -17,7 +17,7 @@ import torch
 from megatron_adacc.adacc.integration.sample import BYTE_VOCAB
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.signature import model_signature
-from megatron_adacc.adacc.policy.static import StateBytes, logits_workspace_bytes, state_bytes
+from megatron_adacc.adacc.policy.static import StateBytes, in_flight, logits_workspace_bytes, state_bytes
 
 
 @dataclass(frozen=True)
@@ -192,3 +192,21 @@ def charge_static(profile: LayerProfile, args: Any, config: Any, stage: int | No
     charged.meta = {**profile.meta, "static": {"parameters": static.parameters,
                                                "bytes_per_parameter": static.per_parameter.total}}
     return charged
+
+
+def microbatches_per_step(args: Any) -> int | None:
+    """Micro-batches each data-parallel rank runs per step (Megatron's ``get_num_microbatches()`` without batch-size
+    ramp-up), None where the host names no global batch."""
+    global_batch = getattr(args, "global_batch_size", None)
+    if not global_batch:
+        return None
+    return max(1, int(global_batch) // (int(args.micro_batch_size) * data_parallel_size(args)))
+
+
+def stage_layout(args: Any, config: Any) -> list[tuple[ModelParameters, int, int]]:
+    """Per pipeline stage of the run: the model's parameters (counted once, in this process's groups), the stage's
+    layers, and the micro-batches it holds in flight under 1F1B (:func:`~megatron_adacc.adacc.policy.static.in_flight`
+    of this run's micro-batches per step)."""
+    parameters = count_parameters(args, config)
+    stages, per_step = parameters.pipeline_size, microbatches_per_step(args)
+    return [(parameters, parameters.layers_per_stage, in_flight(stage, stages, per_step)) for stage in range(stages)]

@@ -29,9 +29,11 @@ _TRAIN_FRACTION = 0.95
 
 
 def one_layer_config(config: Any) -> Any:
-    """``config`` with one layer and without Megatron's recompute (the profiler times the layer itself)."""
+    """``config`` with one layer and without Megatron's recompute (the profiler times the layer itself), in a
+    model of one pipeline stage: a pipeline stage's layers are the same layer, and the profiler's process has no
+    pipeline."""
     one = copy.copy(config)
-    one.num_layers = 1
+    one.num_layers, one.pipeline_model_parallel_size = 1, 1
     one.recompute_granularity = None
     one.recompute_method = None
     one.recompute_num_layers = None

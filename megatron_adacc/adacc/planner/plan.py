@@ -16,7 +16,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_adacc.adacc.integration.model_states import (
@@ -34,7 +34,7 @@ from megatron_adacc.adacc.planner.sizing import FakeModel, fake_tensors
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.signature import model_signature
-from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_policy, solve_policy
+from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_stage, solve_stage
 from megatron_adacc.adacc.policy.static import StateBytes, in_flight
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.core.errors import AdaccError
@@ -215,24 +215,19 @@ class Planner:
         held = in_flight(stage, pipeline)
         profile = charge_static(self.profile(micro_batch, timed), self.args_for(micro_batch), self.config, stage,
                                 self.parameters)
-        # Micro-batches in flight hold their activations side by side: the cost model's layers, ``held`` times over.
-        count = held * layers
         if method.policy is None:
-            # one layer policy repeated: a heterogeneous solve's layer counts need not split into ``held`` copies
-            options = replace(self.options, heterogeneous=self.options.heterogeneous and held == 1)
             try:
-                policy, _ = solve_policy(profile, self.budget_bytes, options, num_layers=count,
-                                         signature={**profile.signature, "num_layers": count})
+                policy, _ = solve_stage(profile, self.budget_bytes, self.options, layers=layers, in_flight=held)
             except InfeasibleBudgetError as exc:
                 return exc
         else:
-            policy = method.policy(count)
-        ev = evaluate_policy(profile, policy, chain_aware=self.options.chain_aware)
+            policy = method.policy(layers)
+        ev = evaluate_stage(profile, policy, held, chain_aware=self.options.chain_aware)
         last = stage == pipeline - 1
         seconds = layers * profile.step_time_s + ev["time_s"] / held + (profile.meta["ends_s"] if last else 0.0)
         static = static_memory(self.args_for(micro_batch), self.config, stage, self.parameters)
         return StagePlan(stage, layers, held, static, ev["memory_bytes"] - ev["transient_bytes"] - ev["static_bytes"],
-                         ev["transient_bytes"], seconds, policy.stage(0, layers))
+                         ev["transient_bytes"], seconds, policy)
 
     # --------------------------------------------------------------------------------------- every method
     def plan(self, micro_batch: int) -> Plan:

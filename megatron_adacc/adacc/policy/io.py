@@ -126,6 +126,34 @@ def _decision_from_json(obj: Any, path: str, op: str, op_names: tuple[str, ...])
     return Decision(Action.COMPRESS, codec, dict(params))
 
 
+def _check_figures(figures: dict, path: str, skip: tuple[str, ...] = ()) -> None:
+    for k, v in figures.items():
+        if k in skip:
+            continue
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise PolicySchemaError(f"{path}{k}", f"must be a finite number or null, got {v!r}")
+
+
+def _check_stages(stages: Any, num_layers: int) -> None:
+    """``predicted.stages``: each pipeline stage's prediction, the stages' layers one after another, every layer
+    in one (:meth:`Policy.join`)."""
+    if not isinstance(stages, list) or not stages:
+        raise PolicySchemaError("predicted.stages", "must be a non-empty list of the pipeline stages' predictions")
+    first = 0
+    for i, stage in enumerate(stages):
+        path = f"predicted.stages[{i}]"
+        if not isinstance(stage, dict):
+            raise PolicySchemaError(path, f"must be an object, got {type(stage).__name__}")
+        start, count = _require(stage, "first_layer", path + ".", int), _require(stage, "num_layers", path + ".", int)
+        if start != first or count < 1:
+            raise PolicySchemaError(path, f"covers layers {start}..{start + count - 1}; the stage after layer "
+                                    f"{first - 1} must start at layer {first} and hold at least one")
+        _check_figures(stage, path + ".")
+        first += count
+    if first != num_layers:
+        raise PolicySchemaError("predicted.stages", f"cover {first} layers but the policy has {num_layers}")
+
+
 def policy_from_json(obj: Any, *, source: str | None = None) -> Policy:
     """Validate a decoded policy file and build the :class:`Policy`."""
     try:
@@ -184,11 +212,9 @@ def _policy_from_json(obj: Any) -> Policy:
         raise PolicySchemaError("layers", f"has {len(layers)} layers but model_signature.num_layers is "
                                 f"{sig['num_layers']}")
     predicted = _require(obj, "predicted", "", dict) if "predicted" in obj else {}
-    for k, v in predicted.items():
-        if k == "per_layer":
-            continue
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise PolicySchemaError(f"predicted.{k}", f"must be a finite number or null, got {v!r}")
+    _check_figures(predicted, "predicted.", skip=("per_layer", "stages"))
+    if "stages" in predicted:
+        _check_stages(predicted["stages"], len(layers))
     solver = _require(obj, "solver", "", dict) if "solver" in obj else {}
     profile = _require(obj, "profile", "", dict, nullable=True) if "profile" in obj else None
     costs = _op_costs_from_json(obj["op_costs"]) if obj.get("op_costs") is not None else None

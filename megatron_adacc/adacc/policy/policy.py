@@ -167,13 +167,36 @@ class Policy:
 
     def stage(self, first: int, count: int) -> Policy:
         """The decisions of layers ``first .. first + count - 1``: what one pipeline stage of the model this
-        policy was made for installs. The whole-model prediction does not carry over to a stage."""
+        policy was made for installs. A policy joined from its stages' (:meth:`join`) gives that stage its own
+        prediction; a whole-model prediction does not carry over to a stage."""
         if first < 0 or count < 1 or first + count > self.num_layers:
             raise ValueError(f"layers {first}..{first + count - 1} are not within this policy's "
                              f"{self.num_layers} layers")
         part = copy.deepcopy(self)
-        part.layers, part.predicted = part.layers[first:first + count], {}
+        stages = {(s["first_layer"], s["num_layers"]): s for s in self.predicted.get("stages") or ()}
+        own = stages.get((first, count))
+        part.layers = part.layers[first:first + count]
+        part.predicted = {} if own is None else {
+            **{k: v for k, v in own.items() if k not in ("first_layer", "num_layers")},
+            "per_layer": copy.deepcopy(self.predicted.get("per_layer", [])[first:first + count])}
         return part
+
+    @classmethod
+    def join(cls, stages: Sequence[Policy], **meta: Any) -> Policy:
+        """One policy for a whole pipeline from its stages' policies, first stage first: their layers in order
+        (global layer numbers) and each stage's prediction in ``predicted["stages"]``, which :meth:`stage` gives
+        back to the stage that installs its slice; ``per_layer`` spans every layer."""
+        layers, per_layer, predicted = [], [], []
+        for part in stages:
+            own = {k: v for k, v in part.predicted.items() if k != "per_layer"}
+            predicted.append({"first_layer": len(layers), "num_layers": part.num_layers, **own})
+            per_layer += part.predicted.get("per_layer", [])
+            layers += copy.deepcopy(part.layers)
+        joined = {"stages": predicted, **({"per_layer": per_layer} if len(per_layer) == len(layers) else {})}
+        peaks = [s["memory_bytes"] for s in predicted if "memory_bytes" in s]
+        if len(peaks) == len(predicted):
+            joined["memory_bytes"] = max(peaks)  # the stage that needs the most
+        return cls(layers=layers, predicted=joined, **meta)
 
     # ---------------------------------------------------------------------------------- construction
     @classmethod

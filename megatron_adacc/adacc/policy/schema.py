@@ -63,8 +63,14 @@ def json_schema() -> dict[str, Any]:
                                     for n in OP_NAMES]}}}},
             "predicted": {"type": "object",
                           "description": "memory_bytes, static_bytes, workspace_bytes, activation_bytes, "
-                                         "time_s (overhead per micro-batch), per_layer",
-                          "properties": {"per_layer": {"type": "array", "items": {"type": "object"}}},
+                                         "time_s (overhead per micro-batch), per_layer; a pipeline's policy, "
+                                         "each stage's own in stages",
+                          "properties": {"per_layer": {"type": "array", "items": {"type": "object"}},
+                                         "stages": {"type": "array", "minItems": 1, "items": {
+                                             "type": "object", "required": ["first_layer", "num_layers"],
+                                             "properties": {"first_layer": {"type": "integer", "minimum": 0},
+                                                            "num_layers": {"type": "integer", "minimum": 1}},
+                                             "additionalProperties": {"type": ["number", "null"]}}}},
                           "additionalProperties": {"type": ["number", "null"]}},
             "solver": {"type": "object",
                        "description": "strategy, status, solve_time_s, chain_aware, heterogeneous, ..."},

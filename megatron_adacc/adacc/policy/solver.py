@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_adacc.adacc.policy.cost_model import Problem, build_problem
@@ -100,6 +100,30 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     return policy, result
 
 
+def solve_stage(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions, *, layers: int,
+                in_flight: int, profile_ref: dict[str, Any] | None = None,
+                signature: dict[str, Any] | None = None) -> tuple[Policy, SolveResult]:
+    """One pipeline stage's policy: its ``layers`` layers, solved for the ``in_flight`` micro-batches it holds at
+    once under 1F1B (:func:`~megatron_adacc.adacc.policy.static.in_flight`), whose activations sit side by side:
+    the cost model's layers, ``in_flight`` times over. ``profile`` carries the stage's own static memory.
+
+    The policy has the stage's ``layers`` layers; its prediction is the stage's peak (every micro-batch in flight:
+    ``memory_bytes``, ``activation_bytes``) with ``per_layer`` for one micro-batch, as the runtime measures it, and
+    ``in_flight``. Raises :class:`InfeasibleBudgetError` as :func:`solve_policy` does.
+    """
+    count = in_flight * layers
+    # one layer policy repeated: a heterogeneous solve's layer counts need not split into ``in_flight`` copies
+    options = replace(options, heterogeneous=options.heterogeneous and in_flight == 1)
+    sig = dict(signature if signature is not None else profile.signature)
+    policy, result = solve_policy(profile, budget_bytes, options, num_layers=count, profile_ref=profile_ref,
+                                  signature={**sig, "num_layers": count})
+    stage = policy.stage(0, layers)
+    stage.signature = sig
+    stage.predicted = {**policy.predicted, "per_layer": policy.predicted["per_layer"][:layers],
+                       "in_flight": in_flight}
+    return stage, result
+
+
 def op_costs(profile: LayerProfile, policy: Policy) -> dict[str, dict[str, Any]]:
     """:attr:`Policy.op_costs` for ``policy`` from ``profile``: each op's bytes if kept, its recompute time, and,
     for each codec the policy uses on it, its compressed bytes and compress + decompress time (the profile's
@@ -134,3 +158,10 @@ def evaluate_policy(profile: LayerProfile, policy: Policy, *, chain_aware: bool 
     return {"memory_bytes": memory, "static_bytes": problem.static_bytes,
             "workspace_bytes": problem.workspace_bytes, "activation_bytes": memory - problem.fixed_bytes,
             "transient_bytes": transient, "time_s": problem.total_time(picks, chain_aware=chain_aware)}
+
+
+def evaluate_stage(profile: LayerProfile, policy: Policy, in_flight: int, *, chain_aware: bool = True
+                   ) -> dict[str, float]:
+    """:func:`evaluate_policy` of one pipeline stage's ``policy`` with its ``in_flight`` micro-batches' activations
+    held side by side (as :func:`solve_stage` solves for them); ``time_s`` covers every one of them."""
+    return evaluate_policy(profile, replace(policy, layers=policy.layers * in_flight), chain_aware=chain_aware)
