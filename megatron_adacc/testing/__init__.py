@@ -159,6 +159,18 @@ def _lift_address_space_cap() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 
 
+@contextlib.contextmanager
+def not_restored(owner: type, method: str):
+    """Within the block, ``owner.method`` (a ``load_state_dict``-like method) restores nothing: a resume test's
+    negative control, which must then differ from the straight run."""
+    original = getattr(owner, method)
+    setattr(owner, method, lambda self, state: None)
+    try:
+        yield
+    finally:
+        setattr(owner, method, original)
+
+
 def exit_torchrun_worker(code: int = 0) -> None:
     """End a torchrun test worker after its results are printed: every rank meets at a barrier (none tears
     gloo down while another still talks to it), then the process leaves without interpreter teardown, where

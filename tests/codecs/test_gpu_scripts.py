@@ -67,25 +67,32 @@ def test_gpu_acceptance_without_a_gpu_fails_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_gpu_acceptance_runs_every_step_on_a_gpu_and_records_each(tmp_path):
-    # A GPU machine, faked: nvidia-smi lists an H100, and the Python it is given (which the script runs every
-    # step with) answers that CUDA is there, records how it was called, and succeeds.
+def _fake_gpu(tmp_path, python_script: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the acceptance script on a faked GPU machine: nvidia-smi lists an H100, and ``python_script`` is the
+    shell body of the Python the script runs every step with. Returns the run and the results folder."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
     smi.write_text('#!/bin/sh\ncase "$*" in *driver_version*) echo "550.54, 81559 MiB, 9.0" ;; '
                    '*) echo "NVIDIA H100 80GB HBM3" ;; esac\n')
-    calls = tmp_path / "calls.txt"
     python = bin_dir / "python"
-    python.write_text(f'#!/bin/sh\necho "ADACC_TEST_DEVICE=${{ADACC_TEST_DEVICE:-}} $*" >> "{calls}"\n'
-                      'case "$*" in *get_device_capability*) echo 9.0 ;; esac\nexit 0\n')
+    python.write_text("#!/bin/sh\n" + python_script)
     for tool in (smi, python):
         tool.chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(python), "OUT": str(out),
-           "MEGATRON_DIR": str(tmp_path / "no-megatron")}
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(python), "OUT": str(out),
+                **env}
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_acceptance.sh")], capture_output=True, text=True,
-                            env=env, timeout=120)
+                            env=full_env, timeout=120)
+    return result, out
+
+
+def test_gpu_acceptance_runs_every_step_on_a_gpu_and_records_each(tmp_path):
+    # The Python answers that CUDA is there, records how it was called, and succeeds.
+    calls = tmp_path / "calls.txt"
+    result, out = _fake_gpu(tmp_path, f'echo "ADACC_TEST_DEVICE=${{ADACC_TEST_DEVICE:-}} $*" >> "{calls}"\n'
+                            'case "$*" in *get_device_capability*) echo 9.0 ;; esac\nexit 0\n',
+                            MEGATRON_DIR=str(tmp_path / "no-megatron"))
     assert result.returncode == 1, result.stderr  # the smoke run has no Megatron-LM here
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[0] == "device: NVIDIA H100 80GB HBM3"
@@ -100,21 +107,9 @@ def test_gpu_acceptance_runs_every_step_on_a_gpu_and_records_each(tmp_path):
 
 def test_gpu_acceptance_runs_the_steps_a_short_lease_names(tmp_path):
     """STEPS names the steps to run (the others are listed as skipped) and STEP_TIMEOUT_S bounds each."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text('#!/bin/sh\ncase "$*" in *driver_version*) echo "550.54, 81559 MiB, 9.0" ;; '
-                   '*) echo "NVIDIA H100 80GB HBM3" ;; esac\n')
-    python = bin_dir / "python"
-    python.write_text('#!/bin/sh\ncase "$*" in *get_device_capability*) echo 9.0 ;; '
-                      '*bench*codecs*) sleep 30 ;; esac\nexit 0\n')
-    for tool in (smi, python):
-        tool.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(python), "OUT": str(out),
-           "STEPS": "build sync-debug bench-codecs", "STEP_TIMEOUT_S": "2"}
-    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_acceptance.sh")], capture_output=True, text=True,
-                            env=env, timeout=60)
+    result, out = _fake_gpu(tmp_path, 'case "$*" in *get_device_capability*) echo 9.0 ;; '
+                            '*bench*codecs*) sleep 30 ;; esac\nexit 0\n',
+                            STEPS="build sync-debug bench-codecs", STEP_TIMEOUT_S="2")
     assert result.returncode == 1, result.stderr  # bench-codecs ran out of time
     steps = {line.split()[0]: line.split()[1] for line in (out / "summary.txt").read_text().splitlines()[5:]}
     assert steps == {"build": "ok", "codec-tests": "skipped", "exact-tests": "skipped", "sdpa-check": "skipped",

@@ -33,13 +33,10 @@ def main() -> None:
     resumed = train(parse_train_args(common + ["--train-iters", "4", "--load", workdir]))
     # Negative control: the same resume with the residuals left at zero must differ.
     from megatron_adacc.comm.extension import ResiReduceExtension
+    from megatron_adacc.testing import not_restored
 
-    restore = ResiReduceExtension.load_state_dict
-    ResiReduceExtension.load_state_dict = lambda self, state: None
-    try:
+    with not_restored(ResiReduceExtension, "load_state_dict"):
         without = train(parse_train_args(common + ["--train-iters", "4", "--load", workdir]))
-    finally:
-        ResiReduceExtension.load_state_dict = restore
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps({
             "straight": straight["losses"], "resumed": resumed["losses"], "first_two": first_two["losses"],

@@ -19,7 +19,7 @@ COMMON = ["--device", "cpu", "--no-progress", "--num-layers", "2", "--hidden-siz
 def main() -> None:
     from megatron_adacc.compat import quiet_fallback_warnings
     from megatron_adacc.optim.distributed import DistributedAdamA
-    from megatron_adacc.testing import exit_torchrun_worker
+    from megatron_adacc.testing import exit_torchrun_worker, not_restored
     from megatron_adacc.training.args import parse_train_args
     from megatron_adacc.training.loop import train
 
@@ -33,12 +33,8 @@ def main() -> None:
     resumed, model = train(parse_train_args(COMMON + ["--train-iters", "4", "--load", workdir]), return_model=True)
     same_params = all(torch.equal(a, b) for a, b in zip(straight_params, model.parameters()))
     # Negative control: the same resume with this rank's shards not restored must differ.
-    restore = DistributedAdamA.load_shard_state
-    DistributedAdamA.load_shard_state = lambda self, state: None
-    try:
+    with not_restored(DistributedAdamA, "load_shard_state"):
         without = train(parse_train_args(COMMON + ["--train-iters", "4", "--load", workdir]))
-    finally:
-        DistributedAdamA.load_shard_state = restore
     if rank == 0:
         print("RESULT " + json.dumps({
             "straight": straight["losses"], "resumed": resumed["losses"], "first_two": first_two["losses"],
