@@ -29,7 +29,6 @@
 namespace adacc {
 
 constexpr float kTinyScale = 7.888609052210118e-31f;  // 2**-100, exactly representable
-constexpr float kRoundMagic = 12582912.0f;             // 1.5 * 2**23: (v + M) - M rounds half to even
 // Exact power of two: scaling by it commutes with rounding, so a quarter-scale computation gives the
 // float32 result of unbounded arithmetic, and a quarter of any two finite floats' difference is finite.
 constexpr float kQuarter = 0.25f;

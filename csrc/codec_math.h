@@ -8,6 +8,10 @@
 // intrinsics, which nvcc never contracts into a fused multiply-add whatever --fmad says; on the host the
 // plain operators, which the build's -ffp-contract=off keeps unfused. The order of operations is
 // reference.py's, line for line.
+//
+// The per-value functions (codes, the counter hash) take their lanes as a template argument: one value
+// (ScalarLanes, the default: the CUDA kernels and the CPU kernels' tails) or a CPU vector of values
+// (cpu_kernels_impl.h's VecLanes, the same interface). The CPU's vector loops thus run this source too.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -16,6 +20,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "adacc_common.h"
 
@@ -51,7 +56,40 @@ ADACC_HD float fdiv_rn(float a, float b) {
 #endif
 }
 
+#if !defined(__CUDACC__)
+// The same on CPU vector lanes (GCC/Clang vector extensions; either operand may be one value, which is
+// broadcast): plain operators, kept unfused by -ffp-contract=off like the scalar ones.
+template <typename A, typename B>
+inline __attribute__((always_inline)) auto fadd_rn(A a, B b) -> decltype(a + b) { return a + b; }
+template <typename A, typename B>
+inline __attribute__((always_inline)) auto fsub_rn(A a, B b) -> decltype(a - b) { return a - b; }
+template <typename A, typename B>
+inline __attribute__((always_inline)) auto fmul_rn(A a, B b) -> decltype(a * b) { return a * b; }
+#endif
+
 ADACC_HD bool not_finite(float v) { return !(fabsf(v) <= FLT_MAX); }  // true for NaN and +-Inf
+
+// ------------------------------------------------------------------------------------- lanes
+// One value. A vector type with the same members runs the per-value functions on vector lanes: comparisons
+// then give lane masks, which `one_if` takes, and ?: selects lane by lane.
+struct ScalarLanes {
+  using F = float;
+  using I = int32_t;
+  using U = uint32_t;
+  ADACC_HD static I bits(F v) {  // the float's bit pattern
+#ifdef __CUDA_ARCH__
+    return __float_as_int(v);
+#else
+    I b;
+    std::memcpy(&b, &v, sizeof(b));
+    return b;
+#endif
+  }
+  ADACC_HD static I trunc(F v) { return static_cast<I>(v); }  // toward zero
+  ADACC_HD static F to_float(I v) { return static_cast<F>(v); }
+  ADACC_HD static F to_float(U v) { return static_cast<F>(v); }
+  ADACC_HD static I one_if(bool c) { return c ? 1 : 0; }
+};
 
 // ------------------------------------------------------------------------------- element dtypes
 // Every input dtype widens to float32 exactly; narrowing rounds to nearest even (c10's conversions,
@@ -75,6 +113,25 @@ ADACC_HD constexpr float dtype_max<c10::Half>() { return 65504.0f; }
 template <>
 ADACC_HD constexpr float dtype_max<c10::BFloat16>() { return 3.38953139e38f; }  // 0x7F7F
 
+// ------------------------------------------------------------------------------ overflow tests
+// The operand of a test against the largest finite value, hidden from the optimizer. GCC 13 and 14 at -O3
+// reason backwards from such a test: q * s < -FLT_MAX makes q * s -Inf, hence s +-Inf (a finite product that
+// overflows is forgotten), and then fold the group's other values with that s: 0 * s to NaN, 7 * s to Inf (an
+// fp32 group whose scale is FLT_MAX / 8 or more decoded to NaN; GCC 12 and clang 19 are right). A test of a
+// copy the optimizer knows nothing about gives it nothing to reason from; the copy costs no instruction.
+template <typename V>
+ADACC_HD V overflow_operand(V v) {
+#if defined(__CUDA_ARCH__)
+#elif defined(__x86_64__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  asm("" : "+m"(v));
+#endif
+  return v;
+}
+
 // ------------------------------------------------------------------------------ group parameters
 ADACC_HD float flush_tiny(float s) { return s < kTinyScale ? 0.0f : s; }
 ADACC_HD float inverse(float s) { return s > 0.0f ? fdiv_rn(1.0f, s) : 0.0f; }
@@ -90,9 +147,9 @@ ADACC_HD float symmetric_scale(float mn, float mx) {
 // values are taken so that their codes do not overflow either (reference._range_scale). With one level
 // (1-bit stochastic) an overflowing range has no float32 scale: it saturates at FLT_MAX.
 ADACC_HD float range_scale(float mn, float mx, float levels, float& k) {
-  k = fsub_rn(mx, mn) > FLT_MAX ? kQuarter : 1.0f;
+  k = overflow_operand(fsub_rn(mx, mn)) > FLT_MAX ? kQuarter : 1.0f;
   // exactly (mx - mn) / levels where k == 1
-  const float s = flush_tiny(fdiv_rn(fdiv_rn(fsub_rn(fmul_rn(mx, k), fmul_rn(mn, k)), levels), k));
+  const float s = overflow_operand(flush_tiny(fdiv_rn(fdiv_rn(fsub_rn(fmul_rn(mx, k), fmul_rn(mn, k)), levels), k)));
   return s > FLT_MAX ? FLT_MAX : s;
 }
 
@@ -131,16 +188,18 @@ ADACC_HD Affine stochastic_group(float mn, float mx, float levels) {
 
 // Code position of v in group a. SCALED = false where k == 1: the multiply by 1 is exact, so skipping
 // it changes no result and saves one multiply per value.
-template <bool SCALED>
-ADACC_HD float code_position(float v, const Affine& a) {
-  return fmul_rn(fsub_rn(SCALED ? fmul_rn(v, a.k) : v, a.offset_k), a.inv);
+template <bool SCALED, class L = ScalarLanes>
+ADACC_HD typename L::F code_position(typename L::F v, const Affine& a) {
+  if constexpr (SCALED) v = fmul_rn(v, a.k);
+  return fmul_rn(fsub_rn(v, a.offset_k), a.inv);
 }
 
 // -------------------------------------------------------------------------------- counter hash
 // MurmurHash3's 32-bit finalizer; uniform24 is the counter-based generator of the stochastic codec
 // (reference.uniform24). A pure function of (seed, index): the random stream does not depend on thread
 // count, block size or device.
-ADACC_HD uint32_t fmix32(uint32_t h) {
+template <class L = ScalarLanes>
+ADACC_HD typename L::U fmix32(typename L::U h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
@@ -150,9 +209,10 @@ ADACC_HD uint32_t fmix32(uint32_t h) {
 }
 
 // The same of the index's 32-bit halves: a loop over indices that share their high half stays in 32-bit lanes.
-ADACC_HD uint32_t uniform24_halves(uint64_t seed, uint32_t index_lo, uint32_t index_hi) {
-  const uint32_t a = fmix32(index_lo ^ static_cast<uint32_t>(seed));
-  const uint32_t b = fmix32(a + (index_hi ^ static_cast<uint32_t>(seed >> 32)));
+template <class L = ScalarLanes>
+ADACC_HD typename L::U uniform24_halves(uint64_t seed, typename L::U index_lo, uint32_t index_hi) {
+  const typename L::U a = fmix32<L>(index_lo ^ static_cast<uint32_t>(seed));
+  const typename L::U b = fmix32<L>(a + (index_hi ^ static_cast<uint32_t>(seed >> 32)));
   return b >> 8;
 }
 
@@ -161,32 +221,43 @@ ADACC_HD uint32_t uniform24(uint64_t seed, uint64_t index) {
 }
 
 // ------------------------------------------------------------------------------------ encoding
-// round(clamp(v, -8, 7)) + 8 as an int in [0, 15]: (v + 1.5 * 2**23) - 1.5 * 2**23 rounds half to
-// even on every IEEE device. Clamping the rounded integer equals rounding the clamped value (integer
-// bounds); v is bounded by the scale choice (|v| <= 8 up to rounding) for finite input, and non-finite
-// input is flagged and discarded.
-ADACC_HD int32_t code4(float v) {
-  int32_t q = static_cast<int32_t>(fsub_rn(fadd_rn(v, kRoundMagic), kRoundMagic));
-  q = q < -8 ? -8 : q;
-  q = q > 7 ? 7 : q;
-  return q + 8;
+// round(clamp(v, -8, 7)) + 8 as an int in [0, 15], read from the bits of v + kCodeMagic. For v in
+// [-2**22 - 8, 2**22 - 8) that sum lies in [2**23, 2**24), where float32's spacing is 1: the addition
+// rounds v to an integer, half to even (kCodeMagic is even), and the sum's bits are kCodeBits + 8 +
+// round(v). Clamping the bits to [kCodeBits, kCodeBits + 15] clamps round(v) to [-8, 7]; a v beyond that
+// interval leaves the binade on its side (the bits of floats of one sign grow with their magnitude, and
+// a negative sum's are negative as int32), so every finite v gets its code. (On vector lanes the bits
+// are read without a conversion, and each clamp, written with its constant second, is one max or min.)
+constexpr float kCodeMagic = 12582920.0f;  // 1.5 * 2**23 + 8
+constexpr int32_t kCodeBits = 0x4B400000;  // the bits of 1.5 * 2**23
+
+template <class L = ScalarLanes>
+ADACC_HD typename L::I code4(typename L::F v) {
+  typename L::I b = L::bits(fadd_rn(v, kCodeMagic));
+  b = b > kCodeBits ? b : kCodeBits;
+  b = b > kCodeBits + 15 ? kCodeBits + 15 : b;
+  return b - kCodeBits;
 }
 
-ADACC_HD int32_t sym_code4(float v, float inv) { return code4(fmul_rn(v, inv)); }
+// v at inverse scale inv (one for the group, or one per lane).
+template <class L = ScalarLanes, typename S>
+ADACC_HD typename L::I sym_code4(typename L::F v, S inv) { return code4<L>(fmul_rn(v, inv)); }
 
-template <bool SCALED>
-ADACC_HD int32_t affine_code4(float v, const Affine& a) { return code4(code_position<SCALED>(v, a)); }
+template <bool SCALED, class L = ScalarLanes>
+ADACC_HD typename L::I affine_code4(typename L::F v, const Affine& a) {
+  return code4<L>(code_position<SCALED, L>(v, a));
+}
 
 // Stochastic rounding of code position t >= 0: up with probability frac(t), by the draw r = uniform24 of
 // (seed, value index), capped at the group's last code.
-template <int BITS>
-ADACC_HD uint32_t stochastic_code(float t, uint32_t r) {
+template <int BITS, class L = ScalarLanes>
+ADACC_HD typename L::I stochastic_code(typename L::F t, typename L::U r) {
   constexpr int32_t qmax = (1 << BITS) - 1;
-  int32_t q = static_cast<int32_t>(t);
-  const float frac = fsub_rn(t, static_cast<float>(q));
-  const float u = fmul_rn(static_cast<float>(r), 0x1p-24f);
-  q += u < frac ? 1 : 0;
-  return static_cast<uint32_t>(q < qmax ? q : qmax);
+  const typename L::I q = L::trunc(t);
+  const typename L::F frac = fsub_rn(t, L::to_float(q));
+  const typename L::F u = fmul_rn(L::to_float(r), 0x1p-24f);
+  const typename L::I up = q + L::one_if(u < frac);
+  return up > qmax ? qmax : up;
 }
 
 // Value j of a byte sits in bits [j * BITS, (j + 1) * BITS).
@@ -209,32 +280,38 @@ ADACC_HD float dense_value(float v, bool is_outlier) { return is_outlier ? 0.0f 
 // overflowing q * s + o at a quarter, and saturates at the output dtype's largest finite value (a code
 // may lie half a step past its group's extreme value). Rounding is monotone in q, so a group whose lowest
 // and highest codes decode within that value needs no guard: only groups at the dtype's extremes pay.
-template <typename T>
-ADACC_HD float saturated(float v) {
-  return v < -dtype_max<T>() ? -dtype_max<T>() : (v > dtype_max<T>() ? dtype_max<T>() : v);
+template <typename T, class L = ScalarLanes>
+ADACC_HD typename L::F saturated(typename L::F v) {
+  v = overflow_operand(v);
+  v = v > dtype_max<T>() ? dtype_max<T>() : v;
+  return v < -dtype_max<T>() ? -dtype_max<T>() : v;
 }
 
 template <typename T>
 ADACC_HD bool needs_guard(float qlo, float qhi, float s, float o) {
-  return !(fabsf(fadd_rn(fmul_rn(qlo, s), o)) <= dtype_max<T>() &&
-           fabsf(fadd_rn(fmul_rn(qhi, s), o)) <= dtype_max<T>());
+  return !(fabsf(overflow_operand(fadd_rn(fmul_rn(qlo, s), o))) <= dtype_max<T>() &&
+           fabsf(overflow_operand(fadd_rn(fmul_rn(qhi, s), o))) <= dtype_max<T>());
 }
 
-// q * s as a float32 that narrows to T without overflow where GUARDED.
-template <typename T, bool GUARDED>
-ADACC_HD float sym_value(float q, float s) {
-  const float v = fmul_rn(q, s);
-  return GUARDED ? saturated<T>(v) : v;
+// q * s as a float32 that narrows to T without overflow where GUARDED (s: one scale, or one per lane).
+template <typename T, bool GUARDED, class L = ScalarLanes, typename S>
+ADACC_HD typename L::F sym_value(typename L::F q, S s) {
+  const typename L::F v = fmul_rn(q, s);
+  return GUARDED ? saturated<T, L>(v) : v;
 }
 
-// q * s + o (reference._affine_decode): an overflow is redone at a quarter, saturated, times four.
-template <typename T, bool GUARDED>
-ADACC_HD float affine_value(float q, float s, float o) {
-  const float v = fadd_rn(fmul_rn(q, s), o);
-  if (!GUARDED) return v;
-  const float lim = FLT_MAX * kQuarter;
-  const float w = fadd_rn(fmul_rn(q, fmul_rn(s, kQuarter)), fmul_rn(o, kQuarter));
-  return saturated<T>(fabsf(v) <= FLT_MAX ? v : fmul_rn(w < -lim ? -lim : (w > lim ? lim : w), 4.0f));
+// q * s + o (reference._affine_decode): an overflow is redone at a quarter, saturated, times four. (The
+// unguarded decode runs on vector lanes too.)
+template <typename T, bool GUARDED, class L = ScalarLanes>
+ADACC_HD typename L::F affine_value(typename L::F q, float s, float o) {
+  const typename L::F v = fadd_rn(fmul_rn(q, s), o);
+  if constexpr (!GUARDED) {
+    return v;
+  } else {
+    const float lim = FLT_MAX * kQuarter;
+    const float w = overflow_operand(fadd_rn(fmul_rn(q, fmul_rn(s, kQuarter)), fmul_rn(o, kQuarter)));
+    return saturated<T>(fabsf(overflow_operand(v)) <= FLT_MAX ? v : fmul_rn(w < -lim ? -lim : (w > lim ? lim : w), 4.0f));
+  }
 }
 
 // ---------------------------------------------------------------------------------- bit masks
