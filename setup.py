@@ -5,6 +5,9 @@
   bit for bit) and ``-fno-trapping-math``, which lets GCC vectorize the clamps and selects without
   changing any result (only floating-point exception flags, which nothing reads). On x86-64 with GCC the
   loops are also compiled for AVX2+FMA+F16C and that variant is picked at run time when the CPU has it.
+  ``-g0`` overrides the ``-g`` of Python's own CFLAGS: debug information for the kernels' many template
+  instances doubled the compile time (three builds in CI: the checkout, the wheel, Python 3.12) and the
+  library's size.
 * CUDA kernels (``csrc/cuda/*.cu``) when they can be built and run here: a CUDA-enabled torch, a CUDA toolkit
   of torch's CUDA major version with its runtime library (an ``nvcc`` on PATH alone is not a toolkit) and a
   visible GPU. Otherwise the CPU extension is built, with a warning when torch could have used CUDA.
@@ -118,7 +121,7 @@ def extensions(cpp_extension) -> list:
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     if cpp_extension is None:
         return [Extension("megatron_adacc._C", sources)]
-    cxx = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+    cxx = ["-O3", "-g0", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
     link = ["-fopenmp"]
     if sys.platform == "darwin":  # Apple clang has no -fopenmp; at::parallel_for then runs serially
         cxx.remove("-fopenmp")
