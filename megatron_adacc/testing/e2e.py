@@ -92,6 +92,9 @@ ADAMA = ("--adama", "--clip-grad", "0", "--ckpt-format", "torch")
 ADAMA_DO = ("--adama", "--use-distributed-optimizer", "--clip-grad", "1.0", "--ddp-bucket-size", "8000",
             "--ckpt-format", "torch")
 AUTO = ("--adacc-policy", "auto")
+#: Megatron's full activation recompute, every layer: what ``--adacc-policy recompute`` must equal bit for bit.
+MEGATRON_FULL_RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1")
 #: GACT's adaptive bits, re-allocated every 2 iterations so that a resumed run depends on the saved widths.
 GACT = ("--gact-level", "L2", "--gact-adapt-interval", "2")
 #: PyTorch's SDPA attention, through Megatron-LM's own ``--spec`` (its local layer ignores --attention-backend),
@@ -125,12 +128,17 @@ CASES: tuple[Case, ...] = (
     Case("none-dp2", ("--adacc-policy", "none"), nproc=2, reference="stock-dp2"),
     Case("recompute-dp2", ("--adacc-policy", "recompute"), nproc=2, reference="stock-dp2"),
     Case("stock-tp2", _parallel(tp=2), nproc=2, stock=True),
-    Case("recompute-tp2", (*_parallel(tp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-tp2"),
+    # Megatron's own full recompute, the reference of Adacc's recompute preset at the same layout.
+    Case("megatron-recompute-tp2", (*_parallel(tp=2), *MEGATRON_FULL_RECOMPUTE), nproc=2, stock=True),
+    Case("recompute-tp2", (*_parallel(tp=2), "--adacc-policy", "recompute"), nproc=2,
+         reference="megatron-recompute-tp2"),
     Case("keep-tp2", (*_parallel(tp=2), "--adacc-policy", "keep"), nproc=2, reference="stock-tp2"),
     Case("quantize-tp2", (*_parallel(tp=2), "--adacc-policy", "quantize-all"), nproc=2, reference="stock-tp2",
          loss_tolerance=0.05),
     Case("stock-pp2", _parallel(pp=2), nproc=2, stock=True),
-    Case("recompute-pp2", (*_parallel(pp=2), "--adacc-policy", "recompute"), nproc=2, reference="stock-pp2"),
+    Case("megatron-recompute-pp2", (*_parallel(pp=2), *MEGATRON_FULL_RECOMPUTE), nproc=2, stock=True),
+    Case("recompute-pp2", (*_parallel(pp=2), "--adacc-policy", "recompute"), nproc=2,
+         reference="megatron-recompute-pp2"),
     # The custom checkpoint on every stage, keeping all: no arithmetic changes, so bit-identical to stock-pp2.
     Case("keep-pp2", (*_parallel(pp=2), "--adacc-policy", "keep"), nproc=2, reference="stock-pp2"),
     # Each stage solves for its own layers and the micro-batches it holds in flight (stage 0: both of a step).
