@@ -139,3 +139,20 @@ def test_the_calibrated_process_memory_covers_the_peak_and_every_traced_stage():
     assert abs(auto.baseline_from_run(profile, int(total + 1e6), traced) - 9e6) <= 1
     assert abs(auto.baseline_from_run(profile, int(total + 50e6), traced) - 50e6) <= 1
     assert abs(auto.baseline_from_run(profile, int(total + 7e6), []) - 7e6) <= 1
+
+
+def test_a_profile_of_another_model_is_not_reused(tmp_path, monkeypatch):
+    """`auto` on the same database for a model that differs in one signature field (GQA's query groups) profiles
+    that model: a second profile beside the first, never the first one's costs for another layer."""
+    db = tmp_path / "profile.sqlite"
+    monkeypatch.setenv("ADACC_PROFILE_DB", str(db))
+    flags = ["--adacc-policy", "auto", "--adacc-memory-budget", "2GiB", "--adacc-no-evolution", "--train-iters", "1",
+             "--no-progress", "--num-layers", "2", "--seq-length", "64", "--micro-batch-size", "2",
+             "--global-batch-size", "2"]
+    train(parse_train_args(flags))
+    train(parse_train_args([*flags, "--group-query-attention", "--num-query-groups", "2"]))
+    profiles = ProfileDB(db).list()
+    assert len(profiles) == 2, profiles
+    groups = sorted(json.loads(p["signature"])["num_query_groups"] if isinstance(p["signature"], str)
+                    else p["signature"]["num_query_groups"] for p in profiles)
+    assert groups == [2, 4], groups
