@@ -193,7 +193,8 @@ def _print_summary(ratios: dict, config: dict) -> None:
                 measured = per_dtype.items() if codec in DTYPE_FREE else [(d, per_dtype.get(d)) for d in dtypes]
                 cells = []
                 for dtype, r in measured:
-                    cells.append("" if r is None else f"{r['roundtrip_vs_copy']:.2f} ({r['roundtrip_vs_copy_best']:.2f})")
+                    cells.append("" if r is None else
+                                 f"{r['roundtrip_vs_copy']:.2f} ({r['roundtrip_vs_copy_best']:.2f})")
                     if r is not None and not r["meets_target"]:
                         below.append(codec if codec in DTYPE_FREE else f"{codec} {SHORT[dtype]}")
                 if codec in DTYPE_FREE and len(dtypes) > 1:

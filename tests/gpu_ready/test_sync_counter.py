@@ -102,10 +102,10 @@ def test_cuda_syncs_records_torchs_sync_warnings_at_their_call_site_and_passes_o
         warnings.simplefilter("always")
         with CudaSyncs() as syncs:
             for _ in range(2):
-                warnings.warn(CudaSyncs.MESSAGE, UserWarning)
-            warnings.warn("something else", UserWarning)
+                warnings.warn(CudaSyncs.MESSAGE, UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
             syncs.recording = False
-            warnings.warn(CudaSyncs.MESSAGE, UserWarning)
+            warnings.warn(CudaSyncs.MESSAGE, UserWarning, stacklevel=1)
     assert [s.kind for s in syncs.events] == ["cuda sync", "cuda sync"]
     assert all(s.site.startswith("tests/gpu_ready/test_sync_counter.py:") for s in syncs.events)
     assert [str(w.message) for w in others] == ["something else"]
