@@ -310,7 +310,8 @@ ADACC_HD typename L::F affine_value(typename L::F q, float s, float o) {
   } else {
     const float lim = FLT_MAX * kQuarter;
     const float w = overflow_operand(fadd_rn(fmul_rn(q, fmul_rn(s, kQuarter)), fmul_rn(o, kQuarter)));
-    return saturated<T>(fabsf(overflow_operand(v)) <= FLT_MAX ? v : fmul_rn(w < -lim ? -lim : (w > lim ? lim : w), 4.0f));
+    const bool finite = fabsf(overflow_operand(v)) <= FLT_MAX;
+    return saturated<T>(finite ? v : fmul_rn(w < -lim ? -lim : (w > lim ? lim : w), 4.0f));
   }
 }
 

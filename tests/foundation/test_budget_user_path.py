@@ -153,6 +153,5 @@ def test_a_profile_of_another_model_is_not_reused(tmp_path, monkeypatch):
     train(parse_train_args([*flags, "--group-query-attention", "--num-query-groups", "2"]))
     profiles = ProfileDB(db).list()
     assert len(profiles) == 2, profiles
-    groups = sorted(json.loads(p["signature"])["num_query_groups"] if isinstance(p["signature"], str)
-                    else p["signature"]["num_query_groups"] for p in profiles)
+    groups = sorted(p["signature"]["num_query_groups"] for p in profiles)
     assert groups == [2, 4], groups
