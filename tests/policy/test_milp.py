@@ -119,6 +119,59 @@ def test_heterogeneous_equals_brute_force(seed: int) -> None:
         assert got.predicted_memory_bytes <= problem.budget_bytes
 
 
+def brute_force_ordered(problem: Problem, chain_aware: bool) -> tuple[float, float]:
+    """Best total time over every multiset of layer policies, the leaner ones in the lower layers (as the
+    heterogeneous strategy places them), under the exact bound: each layer's backward beside what the layers
+    below it still hold (infinite when nothing fits); and the least memory of any of them."""
+    policies = sorted(itertools.product(*(range(len(cs)) for cs in problem.choices)),
+                      key=lambda p: problem.layer_memory(p, stash=chain_aware))
+    best, least = float("inf"), float("inf")
+    for combo in itertools.combinations_with_replacement(range(len(policies)), problem.num_layers):
+        layers = [policies[i] for i in combo]  # combo ascends: leaner first
+        memory = problem.total_memory(layers, stash=chain_aware)
+        least = min(least, memory)
+        if memory <= problem.budget_bytes:
+            best = min(best, problem.total_time(layers, chain_aware=chain_aware))
+    return best, least
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_two_layers_with_backward_transients_equal_brute_force_under_the_exact_bound(seed: int) -> None:
+    """Budgets from below the uniform floor up: a mix of two policies is exact under the ordered bound."""
+    rng = random.Random(900 + seed)
+    problem = random_problem(rng, n_ops=rng.randint(2, 4), n_layers=2, frac=0.0, remat=True)
+    lo = problem.min_feasible_budget(stash=True)
+    hi = problem.total_memory([[0] * problem.num_ops] * 2, stash=True)
+    problem.budget_bytes = lo + rng.uniform(-0.15, 0.6) * (hi - lo)
+    for chain in (False, True):
+        want, least = brute_force_ordered(problem, chain)
+        assert problem.min_feasible_budget(stash=chain, heterogeneous=True) == math.ceil(least)
+        if want == float("inf"):
+            with pytest.raises(InfeasibleBudgetError, match=f"{math.ceil(least):,}"):
+                heterogeneous.solve(problem, chain_aware=chain, time_limit_s=None)
+            continue
+        got = heterogeneous.solve(problem, chain_aware=chain, time_limit_s=None)
+        assert got.predicted_time_s == pytest.approx(want, rel=1e-6, abs=1e-9)
+        assert got.predicted_memory_bytes <= problem.budget_bytes
+
+
+def test_a_lean_layer_below_is_charged_its_rematerialization_beside_the_layers_below_only() -> None:
+    """Op 1 kept stores 100 bytes; recomputed it stores nothing and re-materializes 100 in its backward. The
+    bottom layer's backward runs last, when the top layer has freed what it stored: recompute below, keep above
+    peaks at 10 + 100 (the bottom layer's stage), not 10 + 110 + 100."""
+    keep, rec = Decision.keep(), Decision.recompute()
+    choices = [[Choice(keep, 10, 0.0)], [Choice(keep, 100, 0.0), Choice(rec, 0, 1.0, remat_bytes=100)]]
+    problem = Problem(choices=choices, num_layers=2, static_bytes=0.0, budget_bytes=125,
+                      segment_time=lambda a, b: 1.0)
+    assert problem.total_memory([[0, 1], [0, 0]]) == 120  # the start of backward: 10 + 110
+    assert problem.total_memory([[0, 0], [0, 1]]) == 220  # the other way round, the whole model beside it
+    assert problem.min_feasible_budget() == 120  # recompute in both layers: 20 + 100
+    assert problem.min_feasible_budget(heterogeneous=True) == 120  # the mix ties it
+    got = heterogeneous.solve(problem, chain_aware=True, time_limit_s=None)
+    assert got.layer_picks == [[0, 1], [0, 0]] and got.predicted_time_s == 1.0
+    assert got.predicted_memory_bytes == 120
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_runtime_overhead_strategies_equal_brute_force(seed: int) -> None:
     """The runtime's fixed per-layer cost (which keep-everything layers escape) is outside the MILP objectives:
@@ -212,7 +265,7 @@ def test_infeasible_budget_names_the_smallest_feasible_budget() -> None:
     prof = analytic_profile(SIG)
     # the chain-aware model (and heterogeneous, chain-aware by default) also counts segment inputs
     for strategy, chain in ((paper.solve, False), (chain_aware.solve, True), (heterogeneous.solve, True)):
-        need = build_problem(prof, None).min_feasible_budget(stash=chain)
+        need = build_problem(prof, None).min_feasible_budget(stash=chain, heterogeneous=strategy is heterogeneous.solve)
         with pytest.raises(InfeasibleBudgetError, match=f"{need:,}") as info:
             strategy(build_problem(prof, need - 1000))
         assert info.value.min_feasible_bytes == need
@@ -286,7 +339,7 @@ def test_headroom_keeps_a_fraction_of_the_budget_free_and_names_the_budget_it_ne
 
     prof = analytic_profile(SIG)
     probe = build_problem(prof, None)
-    lo = probe.min_feasible_budget(stash=True)
+    lo = probe.min_feasible_budget(stash=True, heterogeneous=True)  # SolveOptions' default strategy's floor
     budget = lo + 0.5 * (probe.total_memory([[0] * probe.num_ops] * probe.num_layers, stash=True) - lo)
     policy, result = solve_policy(prof, budget, SolveOptions(headroom=0.1))
     assert result.predicted_memory_bytes <= 0.9 * budget

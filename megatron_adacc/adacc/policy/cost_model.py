@@ -26,11 +26,14 @@ stored bytes beside it, and at stage s it holds:
 
 So the recompute segment of the MLP and a decompressed attention tensor, live at different stages, no longer
 add up. The peak of a layer policy is the largest stage's bytes ``P``; ``P`` less what the layer stores is its
-*backward excess* E (never negative: the first stage still holds everything). For one or several layer policies
-the bound is ``M_fixed + sum of every layer's stored bytes + max(workspace, largest E among them)``, where
-the workspace is the policy-independent transient at the start of backward (the logits and their gradient),
-when every layer still holds all it stored. It is linear in the MILPs: one constraint per stage of the
-representative layer, with the other layers' stored bytes as a sum.
+*backward excess* E (never negative: the first stage still holds everything). The backward runs from the last
+layer to the first, and each layer frees what it stored, so layer l's excess sits beside the stored bytes of
+layers 0..l only. The bound is ``M_fixed + max(every layer's stored bytes + workspace, max over l of (the stored
+bytes of layers 0..l + E_l))``, where the workspace is the policy-independent transient at the start of
+backward (the logits and their gradient), when every layer still holds all it stored. With one policy in every
+layer that is ``M_fixed + N x stored + max(workspace, E)``, linear in the MILPs: one constraint per stage of the
+representative layer, with the other layers' stored bytes as a sum. Where layers differ, a leaner layer below
+richer ones is charged its re-materialization beside the layers below it only, not beside the whole model.
 
 A keep-everything policy re-materializes nothing, so its peak is the stored activations and the gradients of
 the first stage; a policy that drops every tensor re-materializes a whole layer during that layer's backward,
@@ -161,15 +164,17 @@ class Problem:
     def min_layer_memory(self) -> float:
         return sum(min(c.memory_bytes for c in cs) for cs in self.choices)
 
-    def min_feasible_budget(self, *, stash: bool = False) -> int:
-        """The smallest budget any policy fits: the least ``fixed + N x stored + transient`` over the
-        Pareto-optimal layer policies (with ``stash``, counting segment-input stashes). Mixing layer policies
-        cannot beat the best one used everywhere: its stored bytes are no larger than any mix's average and
-        its re-materialization no larger than the mix's largest."""
-        from megatron_adacc.adacc.policy.pareto import pareto_front  # a cycle at module level: pareto imports Problem
+    def min_feasible_budget(self, *, stash: bool = False, heterogeneous: bool = False) -> int:
+        """The smallest budget a strategy fits (with ``stash``, counting segment-input stashes). A policy used by
+        every layer: the least ``fixed + N x stored + transient`` over the Pareto-optimal layer policies. With
+        ``heterogeneous``, mixes of two of them too, the leaner in the lower layers, whose excess is charged
+        beside those layers only (the heterogeneous strategy's mixes, :func:`pareto.least_mix_bytes`)."""
+        from megatron_adacc.adacc.policy.pareto import least_mix_bytes, pareto_front  # pareto imports Problem
 
-        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.excess_bytes])
-                   for p in pareto_front(self, chain_aware=stash))
+        front = pareto_front(self, chain_aware=stash)
+        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.excess_bytes]) for p in front)
+        if heterogeneous:
+            best = min(best, least_mix_bytes(front, self.num_layers, self.workspace_bytes))
         return int(math.ceil(self.fixed_bytes + best))
 
     def transient_bytes(self, layer_excesses: Sequence[float]) -> float:
@@ -294,8 +299,18 @@ class Problem:
         return cost
 
     def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
-        return (self.fixed_bytes + sum(self.layer_memory(p, stash=stash) for p in layer_picks)
-                + self.transient_bytes([self.layer_excess(p, stash=stash) for p in {tuple(p) for p in layer_picks}]))
+        """The peak bound of layers ``layer_picks`` (layer 0 first; the module docstring): the start of backward,
+        or the largest stage of a layer beside what the layers below it still hold."""
+        excess: dict[tuple[int, ...], float] = {}
+        below = 0.0
+        peak = 0.0
+        for picks in layer_picks:
+            key = tuple(picks)
+            if key not in excess:
+                excess[key] = self.layer_excess(picks, stash=stash)
+            below += self.layer_memory(picks, stash=stash)
+            peak = max(peak, below + excess[key])
+        return self.fixed_bytes + max(below + self.workspace_bytes, peak)
 
     def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
         return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+
 from megatron_adacc.adacc.policy.cost_model import Choice, Problem
 from megatron_adacc.adacc.policy.ops import candidate_segments
 
@@ -65,6 +67,29 @@ def _prune(points: list, cost) -> list:
         stair_t[i:j] = [t]
         stair_c[i:j] = [c]
     return out
+
+
+def least_mix_bytes(front: list[ParetoPoint], num_layers: int, workspace_bytes: float) -> float:
+    """The least bytes above the fixed ones of a mix of two points of ``front``: the leaner point ``i`` in the
+    lower ``L - m`` layers and the richer ``j`` in the upper ``1 <= m < L`` (infinite with one layer or one
+    point). The mix peaks at the larger of the start of backward or a rich layer's stage, beside every stored
+    byte (growing with ``m``), and the top lean layer's stage beside the lean layers only (shrinking with
+    ``m``): the least is at an ``m`` beside where they cross."""
+    L = num_layers
+    if L < 2 or len(front) < 2:
+        return float("inf")
+    M = np.array([p.memory_bytes for p in front])
+    R = np.array([p.excess_bytes for p in front])
+    lean, rich = M[:, None], M[None, :]
+    up = np.maximum(workspace_bytes, R[None, :])  # beside everything stored
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cross = (R[:, None] - up) / rich  # where L * lean + m (rich - lean) + up = (L - m) lean + R_i
+    best = np.inf
+    for m in (np.floor(cross), np.ceil(cross)):
+        m = np.clip(np.nan_to_num(m, nan=1.0, posinf=L - 1, neginf=1.0), 1, L - 1)
+        peak = np.maximum(L * lean + m * (rich - lean) + up, (L - m) * lean + R[:, None])
+        best = min(best, float(np.where(rich > lean, peak, np.inf).min()))
+    return best
 
 
 def _peak(p: ParetoPoint) -> float:

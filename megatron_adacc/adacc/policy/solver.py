@@ -154,7 +154,7 @@ def evaluate_policy(profile: LayerProfile, policy: Policy, *, chain_aware: bool 
             row.append(idx)
         picks.append(row)
     memory = problem.total_memory(picks, stash=chain_aware)
-    transient = problem.transient_bytes([problem.layer_excess(p, stash=chain_aware) for p in {tuple(p) for p in picks}])
+    transient = memory - problem.fixed_bytes - sum(problem.layer_memory(p, stash=chain_aware) for p in picks)
     return {"memory_bytes": memory, "static_bytes": problem.static_bytes,
             "workspace_bytes": problem.workspace_bytes, "activation_bytes": memory - problem.fixed_bytes,
             "transient_bytes": transient, "time_s": problem.total_time(picks, chain_aware=chain_aware)}

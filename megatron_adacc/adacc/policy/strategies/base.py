@@ -78,7 +78,7 @@ class SolveResult:
                       predicted=predicted, solver=solver, profile=profile_ref, name=name)
 
 
-def check_budget(problem: Problem, *, stash: bool = False) -> float | None:
+def check_budget(problem: Problem, *, stash: bool = False, heterogeneous: bool = False) -> float | None:
     """The bytes available to activations, or None when unbounded; raises when nothing fits."""
     if problem.budget_bytes is None:
         return None
@@ -86,7 +86,8 @@ def check_budget(problem: Problem, *, stash: bool = False) -> float | None:
     # needs the Pareto front, so it is computed only to name it in the error (here or when the solver finds
     # nothing).
     if problem.budget_bytes < problem.fixed_bytes + problem.num_layers * problem.min_layer_memory() - 0.5:
-        raise InfeasibleBudgetError(problem.budget_bytes, problem.min_feasible_budget(stash=stash))
+        raise InfeasibleBudgetError(problem.budget_bytes,
+                                    problem.min_feasible_budget(stash=stash, heterogeneous=heterogeneous))
     return problem.budget_bytes - problem.fixed_bytes
 
 
@@ -262,7 +263,8 @@ def finish(problem: Problem, strategy: str, layers: list[list[int]], status: str
     """Build a result and verify it against the exact (unscaled) memory bound."""
     if status not in ("Optimal", "Feasible"):
         if status == "Infeasible":
-            raise InfeasibleBudgetError(problem.budget_bytes or 0.0, problem.min_feasible_budget(stash=chain_aware),
+            raise InfeasibleBudgetError(problem.budget_bytes or 0.0,
+                                        problem.min_feasible_budget(stash=chain_aware, heterogeneous=heterogeneous),
                                         " (the solver proved it)")
         raise RuntimeError(f"{strategy}: the MILP solver ({backend}) returned status {status!r}")
     memory = problem.total_memory(layers, stash=chain_aware)

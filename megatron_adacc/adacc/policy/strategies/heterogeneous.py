@@ -4,15 +4,18 @@ A budget between two uniform policies is met by giving some layers the cheaper, 
 rest a leaner one. Layers are identical, so only the number of layers per Pareto policy matters: integer
 ``n_p >= 0`` with ``sum n_p = N_layer``, ``M_fixed + sum n_p M_p + max(W, max_{n_p > 0} R_p) <= budget``
 (R_p: policy p's backward excess, its peak backward stage over what it stores; W: the workspace), minimize
-``sum n_p T_p``.
+``sum n_p T_p``. Leaner policies take the lower layers, whose backward runs last, beside the stored bytes of
+the layers below them only (:mod:`..cost_model`): so that sum is an upper bound of the peak, exact for a mix of
+two policies, where step 1 below uses the exact one.
 Any uniform policy is dominated by a Pareto point used in every layer, so this is never worse than the
 uniform optimum under the same cost model.
 
 That integer program is a cardinality-constrained knapsack whose optimality proof can take CBC seconds
 (many near-equal mixes), so it is solved in two steps:
 
-1. every mix of at most two Pareto policies, exactly and in closed form (for a leaner policy p and a
-   richer q, the most q-layers that fit); the LP relaxation's optimum is such a mix, so this is the
+1. every mix of at most two Pareto policies, exactly and in closed form (for a leaner policy p below a
+   richer q, the most q-layers that fit: the richer layers' stages beside everything stored, and the top
+   leaner layer's beside the leaner layers only); the LP relaxation's optimum is such a mix, so this is the
    rounding of the relaxation and already contains every uniform policy;
 2. the MILP (HiGHS or CBC) over the policies whose backward excess is no larger than step 1's answer's (so the
    transient term is a constant), warm-started from step 1, within ``time_limit_s``; its answer replaces step 1's
@@ -46,7 +49,7 @@ DEFAULT_TIME_LIMIT_S = 0.15
 def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float | None,
                         workspace_bytes: float = 0.0) -> list[int]:
     """Layer counts per Pareto point of the best mix of at most two points that fits ``room`` bytes (the
-    budget less the fixed bytes)."""
+    budget less the fixed bytes), the leaner point in the lower layers."""
     M = np.array([p.memory_bytes for p in front])
     R = np.array([p.excess_bytes for p in front])
     T = np.array([p.time_s for p in front])
@@ -57,13 +60,17 @@ def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float |
         return counts
     # every point alone
     alone = np.where(L * M + np.maximum(workspace_bytes, R) <= room, L * T, np.inf)
-    # lean point i in L - m layers and rich point j in 1 <= m < L layers: both excesses count
+    # lean point i in the lower L - m layers and rich point j in the upper 1 <= m < L: the start of backward
+    # and the rich layers' stages sit beside all L layers' stored bytes, growing with m; the top lean layer's
+    # beside the L - m lean layers' only, shrinking with m. So the most rich layers that fit the first is the
+    # mix, if it fits the second.
     lean_m, rich_m = M[:, None], M[None, :]
-    avail = room - np.maximum(workspace_bytes, np.maximum(R[:, None], R[None, :]))
+    avail = room - np.maximum(workspace_bytes, R[None, :])
     with np.errstate(divide="ignore", invalid="ignore"):
         m = np.floor((avail - L * lean_m) / (rich_m - lean_m))
     m = np.where(rich_m > lean_m, np.clip(m, 0, L - 1), 0.0)
-    pair = np.where((m >= 1) & (L * lean_m <= avail), (L - m) * T[:, None] + m * T[None, :], np.inf)
+    fits = (m >= 1) & (L * lean_m + m * (rich_m - lean_m) <= avail) & ((L - m) * lean_m + R[:, None] <= room)
+    pair = np.where(fits, (L - m) * T[:, None] + m * T[None, :], np.inf)
     i, j = np.unravel_index(int(np.argmin(pair)), pair.shape)
     a = int(np.argmin(alone))
     if not np.isfinite(pair[i, j]) and not np.isfinite(alone[a]):
@@ -80,7 +87,7 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
           ) -> SolveResult:
     """``time_limit_s=None`` lets the MILP solver run until it proves optimality (small problems, tests)."""
     t0 = time.perf_counter()
-    room = check_budget(problem, stash=chain_aware)
+    room = check_budget(problem, stash=chain_aware, heterogeneous=True)
     unit = memory_unit(room)
     front = pareto_front(problem, chain_aware=chain_aware)
     L = problem.num_layers
