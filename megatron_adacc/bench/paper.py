@@ -89,7 +89,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--parts", default="fig5,fig6,fig7",
                         help="Comma-separated parts to run (fig5 includes Table 3, fig7 the outlier counts of "
                              "Fig. 4); the others are taken from the recorded paper.json, so one figure can be "
-                             "re-measured without the rest.")
+                             "re-measured without the rest. Without a recorded paper.json, a run that includes "
+                             "fig5 reports the parts it skips as not run.")
     parser.add_argument("--report-only", action="store_true",
                         help="Rebuild the plots and REPORT.md from the recorded paper.json; runs nothing.")
     add_attention_argument(parser)
@@ -115,7 +116,7 @@ def run(args) -> dict:
     unknown = parts - {"fig5", "fig6", "fig7"}
     if unknown:
         raise IntegrationError(f"unknown --parts {sorted(unknown)}; choose from fig5, fig6, fig7")
-    recorded = _recorded(args) if parts != {"fig5", "fig6", "fig7"} else None
+    recorded = _recorded(args, required="fig5" not in parts) if parts != {"fig5", "fig6", "fig7"} else None
     step = Steps(None, "paper")  # how many runs Table 3 and Fig. 7 take depends on what fits
 
     def point(flags: list[str], mb: int, budget: int | None = None, memory: bool = True) -> dict:
@@ -152,14 +153,16 @@ def run(args) -> dict:
         budget_from = {"baseline_peak_bytes": peak_base, "auto_floor_bytes": floor}
     if "fig6" in parts:
         curves = _fig6(args, loss_steps, loss_corpus, loss_budget, step)
-    else:
+    else:  # from the recorded result; with none (a first partial run), reported as not run
+        recorded = recorded or {"config": {}}
         curves = _recorded_curves(recorded)
-        loss_corpus = recorded["config"].get("loss_corpus", "embedded")
+        loss_corpus = recorded["config"].get("loss_corpus", loss_corpus if "fig7" in parts else "embedded")
         fig6_budget, fig6_from = recorded.get("loss_budget_bytes"), recorded.get("loss_budget_from", {})
     if "fig7" in parts:
         evolution = _fig7(args, loss_corpus, loss_budget, repeats, step)
         fig7_budget = loss_budget
     else:
+        recorded = recorded or {"config": {}}
         evolution = recorded.get("evolution", {})
         fig7_budget = recorded["config"].get("fig7_budget_bytes")
     if "fig6" in parts:
@@ -302,11 +305,15 @@ def _int_keys(d: dict) -> dict:
     return {name: {int(mb): r for mb, r in v.items()} for name, v in d.items()}
 
 
-def _recorded(args) -> dict:
+def _recorded(args, required: bool = True) -> dict | None:
+    """The recorded ``paper.json`` of these flags' results directory; None where there is none and ``required``
+    is false (a partial run that measures the budget itself: the parts it does not run are reported as not run)."""
     import json
 
     path = harness.results_dir(args) / "paper.json"
     if not path.exists():
+        if not required:
+            return None
         raise InputNotFound(f"{path} does not exist: run every part of `adacc bench paper"
                          f"{' --quick' if args.quick else ''}` once first")
     return json.loads(path.read_text())
@@ -367,7 +374,24 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
         f"Fig. 5: throughput under a {budget / 2**20:.0f} MiB budget (missing points do not fit)"))
     ax.legend()
     files["throughput"] = _save(plt, fig, out / "paper_throughput.png")
+    if curves:
+        files["loss"] = _draw_loss(plt, out, curves)
+    if evolution:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        fig7.draw(ax, evolution)
+        files["evolution"] = _save(plt, fig, out / "paper_evolution.png")
 
+    fig4 = outliers.recorded_series(evolution)
+    if fig4:
+        fig, axes = plt.subplots(1, len(fig4), figsize=(6 * len(fig4), 4), squeeze=False)
+        for ax, (start, series) in zip(axes[0], fig4):
+            outliers.draw(ax, series)
+            ax.set_title(f"Fig. 4: outlier channels, {f'micro-batch {start}' if start.isdigit() else start}")
+        files["outliers"] = _save(plt, fig, out / "paper_outliers.png")
+    return files
+
+
+def _draw_loss(plt, out: Path, curves: dict) -> Path:
     fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11, 4))
 
     def smooth(losses: list[float], k: int) -> list[float]:
@@ -388,20 +412,7 @@ def _plots(out: Path, budget, sweep, curves, evolution) -> dict:
     ax_d.set(xlabel="iteration", ylabel="% vs baseline (running mean)", title="Gap to the baseline")
     ax.legend()
     ax_d.legend(fontsize=8)
-    files["loss"] = _save(plt, fig, out / "paper_loss.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    fig7.draw(ax, evolution)
-    files["evolution"] = _save(plt, fig, out / "paper_evolution.png")
-
-    fig4 = outliers.recorded_series(evolution)
-    if fig4:
-        fig, axes = plt.subplots(1, len(fig4), figsize=(6 * len(fig4), 4), squeeze=False)
-        for ax, (start, series) in zip(axes[0], fig4):
-            outliers.draw(ax, series)
-            ax.set_title(f"Fig. 4: outlier channels, {f'micro-batch {start}' if start.isdigit() else start}")
-        files["outliers"] = _save(plt, fig, out / "paper_outliers.png")
-    return files
+    return _save(plt, fig, out / "paper_loss.png")
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -483,6 +494,24 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         + f" (the search stops at {2 if cfg['quick'] else 8}x the largest swept micro-batch, and halves the gap "
           "to the first that does not fit).",
         "",
+    ]
+    lines += (_fig6_section(cfg, curves, pngs) if curves
+              else ["## Fig. 6 / Table 4 — loss", "", _NOT_RUN.format("fig6"), ""])
+    if not evolution:
+        return "\n".join(lines + ["## Fig. 7 — adaptive policy evolution", "", _NOT_RUN.format("fig7")])
+    lines += ["## Fig. 7 — adaptive policy evolution", "", _fig7_setup(cfg), "", *fig7.table(evolution)]
+    if "evolution" in pngs:
+        lines += ["", f"![Fig. 7]({pngs['evolution']})"]
+    lines += ["", "**Reading.** " + fig7.reading(evolution, cfg.get("fig7_repeats", 1)), ""]
+    lines += outliers.report_section(evolution, pngs.get("outliers"))
+    return "\n".join(lines)
+
+
+_NOT_RUN = "Not run in this recording (`--parts` without {}, and no earlier result in this results directory)."
+
+
+def _fig6_section(cfg: dict, curves: dict, pngs: dict) -> list[str]:
+    lines = [
         f"## Fig. 6 / Table 4 — loss on {_CORPUS_TEXT.get(cfg.get('loss_corpus', 'embedded'), 'the corpus')}",
         "",
         _loss_budget_text(cfg),
@@ -504,12 +533,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
         lines += ["", f"![Fig. 6]({pngs['loss']})"]
     lines += ["", "**Reading.** The paper: Adacc within 0.5% of the baseline's loss, Quantization visibly worse, "
               "and outlier separation worth 0.2-0.7%. Here: " + _loss_reading(curves, base_valid), ""]
-    lines += ["## Fig. 7 — adaptive policy evolution", "", _fig7_setup(cfg), "", *fig7.table(evolution)]
-    if "evolution" in pngs:
-        lines += ["", f"![Fig. 7]({pngs['evolution']})"]
-    lines += ["", "**Reading.** " + fig7.reading(evolution, cfg.get("fig7_repeats", 1)), ""]
-    lines += outliers.report_section(evolution, pngs.get("outliers"))
-    return "\n".join(lines)
+    return lines
 
 
 def _loss_budget_text(cfg: dict) -> str:

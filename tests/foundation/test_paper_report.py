@@ -96,6 +96,21 @@ def test_a_partial_run_needs_a_recorded_result(tmp_path) -> None:
         paper.run(_args(tmp_path, parts="fig7"))
 
 
+def test_a_first_partial_run_that_measures_the_budget_reports_the_parts_it_skipped_as_not_run(tmp_path,
+                                                                                            monkeypatch) -> None:
+    data = _recorded()
+    sweep = {name: {int(mb): r for mb, r in v.items()} for name, v in data["sweep"].items()}
+    monkeypatch.setattr(paper, "_fig5", lambda *a: (sweep, data["max_micro_batch"]))
+    paper.run(_args(tmp_path, parts="fig5", budget="450MiB"))
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "| 8 | over budget (500 MiB) | 720 (350 MiB) | 950 (380 MiB) | 900 (440 MiB) | 1.25x |" in report
+    assert report.count("Not run in this recording") == 2
+    assert "`--parts` without fig6" in report and "`--parts` without fig7" in report
+    written = json.loads((tmp_path / "paper.json").read_text())
+    assert written["loss_curves"] == {} and written["evolution"] == {}
+    assert not (tmp_path / "paper_loss.png").exists() and not (tmp_path / "paper_evolution.png").exists()
+
+
 def test_fig7_reads_medians_of_alternating_runs_and_a_gap_without_switches_as_noise(tmp_path) -> None:
     data = _recorded()
     data["config"]["fig7_repeats"] = 3
