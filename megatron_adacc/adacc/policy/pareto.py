@@ -6,9 +6,10 @@ and the choice at j'.
 
 Each point has three costs: the bytes the layer stores, its peak over its backward stages (the per-stage bound of
 :mod:`megatron_adacc.adacc.policy.cost_model`) and the time. A point is dropped only when another is no worse in
-all three: then it is no worse in any bound the solvers use (``sum of stored bytes + max(workspace, peak - stored)``
-over the layers, replacing one layer's policy by one with at most its stored bytes and peak). So the smallest
-feasible budget and every uniform optimum are on the front.
+all three: then it is no worse in any bound the solvers use (all layers' stored bytes + the workspace, and each
+layer's peak beside the stored bytes of the layers below it: both grow with any layer's stored bytes and peak, so
+replacing one layer's policy by one with at most its stored bytes and peak never raises them). So the smallest
+feasible budget, every uniform optimum and every best two-policy mix are on the front.
 
 The pruning of prefixes is exact too. After the DP has stored op j, every stage up to j is final (a stage only
 holds what ops at or before it produced, and their segments are complete), so a prefix is its stored bytes, its
