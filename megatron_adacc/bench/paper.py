@@ -116,7 +116,8 @@ def run(args) -> dict:
     unknown = parts - {"fig5", "fig6", "fig7"}
     if unknown:
         raise IntegrationError(f"unknown --parts {sorted(unknown)}; choose from fig5, fig6, fig7")
-    recorded = _recorded(args, required="fig5" not in parts) if parts != {"fig5", "fig6", "fig7"} else None
+    recorded = _recorded(args, required="fig5" not in parts) if parts != {"fig5", "fig6", "fig7"} else {}
+    recorded_config = recorded.get("config", {})
     step = Steps(None, "paper")  # how many runs Table 3 and Fig. 7 take depends on what fits
 
     def point(flags: list[str], mb: int, budget: int | None = None, memory: bool = True) -> dict:
@@ -134,7 +135,7 @@ def run(args) -> dict:
     if args.budget:
         budget = parse_bytes(args.budget)
         probe = {}
-    elif recorded is not None and "fig5" not in parts:
+    elif "fig5" not in parts:
         budget, probe = int(recorded["budget_bytes"]), {}
     else:
         probe_mb = batches[1] if len(batches) > 1 and not args.quick else batches[0]
@@ -154,17 +155,15 @@ def run(args) -> dict:
     if "fig6" in parts:
         curves = _fig6(args, loss_steps, loss_corpus, loss_budget, step)
     else:  # from the recorded result; with none (a first partial run), reported as not run
-        recorded = recorded or {"config": {}}
         curves = _recorded_curves(recorded)
-        loss_corpus = recorded["config"].get("loss_corpus", loss_corpus if "fig7" in parts else "embedded")
+        loss_corpus = recorded_config.get("loss_corpus", loss_corpus if "fig7" in parts else "embedded")
         fig6_budget, fig6_from = recorded.get("loss_budget_bytes"), recorded.get("loss_budget_from", {})
     if "fig7" in parts:
         evolution = _fig7(args, loss_corpus, loss_budget, repeats, step)
         fig7_budget = loss_budget
     else:
-        recorded = recorded or {"config": {}}
         evolution = recorded.get("evolution", {})
-        fig7_budget = recorded["config"].get("fig7_budget_bytes")
+        fig7_budget = recorded_config.get("fig7_budget_bytes")
     if "fig6" in parts:
         fig6_budget, fig6_from = loss_budget, budget_from
 
@@ -187,10 +186,10 @@ def run(args) -> dict:
                    "batches": batches,
                    "steps": steps, "loss_steps": loss_steps, "quick": args.quick, "loss_budget_bytes": fig6_budget,
                    "loss_budget_from": fig6_from, "fig7_budget_bytes": fig7_budget,
-                   "fig7_repeats": repeats if "fig7" in parts else recorded["config"].get("fig7_repeats", 1),
-                   "fig7_steps": (_fig7_steps(args) if "fig7" in parts else recorded["config"].get("fig7_steps")),
+                   "fig7_repeats": repeats if "fig7" in parts else recorded_config.get("fig7_repeats", 1),
+                   "fig7_steps": (_fig7_steps(args) if "fig7" in parts else recorded_config.get("fig7_steps")),
                    "loss_eval_iters": LOSS_EVAL_ITERS if "fig6" in parts
-                   else recorded["config"].get("loss_eval_iters", 8)}
+                   else recorded_config.get("loss_eval_iters", 8)}
     step.close()
     harness.write_results("paper", config_info, methods, extra=payload, args=args)
     _write_report(args, out, config_info, budget, sweep, max_batch, curves, evolution)
@@ -305,15 +304,15 @@ def _int_keys(d: dict) -> dict:
     return {name: {int(mb): r for mb, r in v.items()} for name, v in d.items()}
 
 
-def _recorded(args, required: bool = True) -> dict | None:
-    """The recorded ``paper.json`` of these flags' results directory; None where there is none and ``required``
+def _recorded(args, required: bool = True) -> dict:
+    """The recorded ``paper.json`` of these flags' results directory; empty where there is none and ``required``
     is false (a partial run that measures the budget itself: the parts it does not run are reported as not run)."""
     import json
 
     path = harness.results_dir(args) / "paper.json"
     if not path.exists():
         if not required:
-            return None
+            return {}
         raise InputNotFound(f"{path} does not exist: run every part of `adacc bench paper"
                          f"{' --quick' if args.quick else ''}` once first")
     return json.loads(path.read_text())

@@ -299,18 +299,25 @@ class Problem:
         return cost
 
     def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
-        """The peak bound of layers ``layer_picks`` (layer 0 first; the module docstring): the start of backward,
-        or the largest stage of a layer beside what the layers below it still hold."""
-        excess: dict[tuple[int, ...], float] = {}
+        """The peak bound of layers ``layer_picks`` (layer 0 first; the module docstring)."""
+        stored, transient = self.stored_and_transient(layer_picks, stash=stash)
+        return self.fixed_bytes + stored + transient
+
+    def stored_and_transient(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False
+                             ) -> tuple[float, float]:
+        """Every layer's stored bytes, and the peak's excess over them: the workspace at the start of backward,
+        or a layer's largest stage beside what the layers below it still hold, whichever is larger."""
+        per_policy: dict[tuple[int, ...], tuple[float, float]] = {}  # layers share a few policies
         below = 0.0
         peak = 0.0
         for picks in layer_picks:
             key = tuple(picks)
-            if key not in excess:
-                excess[key] = self.layer_excess(picks, stash=stash)
-            below += self.layer_memory(picks, stash=stash)
-            peak = max(peak, below + excess[key])
-        return self.fixed_bytes + max(below + self.workspace_bytes, peak)
+            if key not in per_policy:
+                per_policy[key] = (self.layer_memory(picks, stash=stash), self.layer_excess(picks, stash=stash))
+            memory, excess = per_policy[key]
+            below += memory
+            peak = max(peak, below + excess)
+        return below, max(self.workspace_bytes, peak - below)
 
     def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
         return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)

@@ -81,16 +81,25 @@ def least_mix_bytes(front: list[ParetoPoint], num_layers: int, workspace_bytes: 
         return float("inf")
     M = np.array([p.memory_bytes for p in front])
     R = np.array([p.excess_bytes for p in front])
-    lean, rich = M[:, None], M[None, :]
-    up = np.maximum(workspace_bytes, R[None, :])  # beside everything stored
+    up = np.maximum(workspace_bytes, R[None, :])
     with np.errstate(divide="ignore", invalid="ignore"):
-        cross = (R[:, None] - up) / rich  # where L * lean + m (rich - lean) + up = (L - m) lean + R_i
+        cross = (R[:, None] - up) / M[None, :]  # where the two terms of mix_bytes are equal
     best = np.inf
     for m in (np.floor(cross), np.ceil(cross)):
         m = np.clip(np.nan_to_num(m, nan=1.0, posinf=L - 1, neginf=1.0), 1, L - 1)
-        peak = np.maximum(L * lean + m * (rich - lean) + up, (L - m) * lean + R[:, None])
-        best = min(best, float(np.where(rich > lean, peak, np.inf).min()))
+        best = min(best, float(mix_bytes(M, R, L, m, workspace_bytes).min()))
     return best
+
+
+def mix_bytes(M: np.ndarray, R: np.ndarray, num_layers: int, m: np.ndarray, workspace_bytes: float) -> np.ndarray:
+    """``[i, j]``: the bound's bytes above the fixed ones of point ``i`` (stored bytes ``M[i]``, backward excess
+    ``R[i]``) in the lower ``L - m[i, j]`` layers and a richer point ``j`` in the upper ``m[i, j]``; infinite where
+    ``j`` is not richer. The larger of the start of backward or a rich layer's stage, beside every stored byte,
+    and the top lean layer's stage, beside the lean layers only (:meth:`Problem.total_memory` of that mix)."""
+    lean, rich = M[:, None], M[None, :]
+    stored = num_layers * lean + m * (rich - lean)
+    peak = np.maximum(stored + np.maximum(workspace_bytes, R[None, :]), (num_layers - m) * lean + R[:, None])
+    return np.where(rich > lean, peak, np.inf)
 
 
 def _peak(p: ParetoPoint) -> float:

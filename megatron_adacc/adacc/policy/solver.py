@@ -153,8 +153,8 @@ def evaluate_policy(profile: LayerProfile, policy: Policy, *, chain_aware: bool 
                 raise ValueError(f"op {problem.op_names[i]!r}: {d.label} was not profiled; re-run adacc profile")
             row.append(idx)
         picks.append(row)
-    memory = problem.total_memory(picks, stash=chain_aware)
-    transient = memory - problem.fixed_bytes - sum(problem.layer_memory(p, stash=chain_aware) for p in picks)
+    stored, transient = problem.stored_and_transient(picks, stash=chain_aware)
+    memory = problem.fixed_bytes + stored + transient
     return {"memory_bytes": memory, "static_bytes": problem.static_bytes,
             "workspace_bytes": problem.workspace_bytes, "activation_bytes": memory - problem.fixed_bytes,
             "transient_bytes": transient, "time_s": problem.total_time(picks, chain_aware=chain_aware)}

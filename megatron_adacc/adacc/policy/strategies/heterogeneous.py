@@ -31,7 +31,7 @@ import numpy as np
 import pulp
 
 from megatron_adacc.adacc.policy.cost_model import Problem
-from megatron_adacc.adacc.policy.pareto import ParetoPoint, pareto_front
+from megatron_adacc.adacc.policy.pareto import ParetoPoint, mix_bytes, pareto_front
 from megatron_adacc.adacc.policy.strategies.base import (
     MS,
     SolveResult,
@@ -69,7 +69,7 @@ def best_two_policy_mix(front: list[ParetoPoint], num_layers: int, room: float |
     with np.errstate(divide="ignore", invalid="ignore"):
         m = np.floor((avail - L * lean_m) / (rich_m - lean_m))
     m = np.where(rich_m > lean_m, np.clip(m, 0, L - 1), 0.0)
-    fits = (m >= 1) & (L * lean_m + m * (rich_m - lean_m) <= avail) & ((L - m) * lean_m + R[:, None] <= room)
+    fits = (m >= 1) & (mix_bytes(M, R, L, m, workspace_bytes) <= room)
     pair = np.where(fits, (L - m) * T[:, None] + m * T[None, :], np.inf)
     i, j = np.unravel_index(int(np.argmin(pair)), pair.shape)
     a = int(np.argmin(alone))
