@@ -470,7 +470,7 @@ def test_a_pulp_without_any_solver_is_refused_with_the_fix(monkeypatch):
     for name in ("PULP_CBC_CMD", "COIN_CMD", "HiGHS"):
         monkeypatch.delattr(pulp, name, raising=False)
     with pytest.raises(SolverUnavailable, match=r"pip install highspy") as err:
-        chain_aware.solve(random_problem(random.Random(0), 3, 2, 0.5))
+        paper.solve(random_problem(random.Random(0), 3, 2, 0.5))
     assert isinstance(err.value, AdaccError)
 
 

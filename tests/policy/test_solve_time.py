@@ -1,6 +1,7 @@
-"""Acceptance: a 14-op layer with 96 layers solves in under 0.5 s. Asserted on CPU time (this process's and a
-solver child's), which waiting for a core on a loaded machine does not inflate, with a margin for the cache and
-memory-bandwidth contention that it does; the wall-clock figure is what `adacc bench budget` reports."""
+"""Acceptance: a 14-op layer with 96 layers solves in under 0.5 s with every strategy. Asserted on CPU time (this
+process's and a solver child's), which waiting for a core on a loaded machine does not inflate; the slowest
+strategy takes about half the target on the 2-core CI machine, which leaves room for the cache and
+memory-bandwidth contention that does inflate it. The wall-clock figure is what `adacc bench budget` reports."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from megatron_adacc.adacc.policy.strategies import solve
 SIG = plain_signature(hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, seq_length=2048,
                       micro_batch_size=1, dtype="bfloat16", num_layers=96, megatron_core_version="0.16.1")
 TARGET_S = 0.5
-MARGIN = 3.0
 
 
 def _cpu_seconds() -> float:
@@ -41,4 +41,4 @@ def test_14_ops_96_layers_solves_fast(chain_aware: bool, heterogeneous: bool) ->
             best = min(best, _cpu_seconds() - t0)
         worst = max(worst, best)
     print(f"chain_aware={chain_aware} heterogeneous={heterogeneous}: worst solve {worst * 1e3:.0f} ms of CPU")
-    assert worst < TARGET_S * MARGIN
+    assert worst < TARGET_S

@@ -44,30 +44,28 @@ class ParetoPoint:
         return self.peak_bytes - self.memory_bytes
 
 
-def _prune(points: list, cost) -> list:
-    """Keep the points no other point matches or beats in memory, time and ``cost(point)`` (ties: the first),
-    sorted by increasing memory.
+def _front(memory: np.ndarray, time: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """The indices of the points no other point matches or beats in memory, time and cost (ties: the first),
+    by increasing memory.
 
-    Sorted by memory, a point can only be dominated by an earlier one that is no slower and no worse on
-    ``cost``; the earlier kept points are summarized by their (time, cost) staircase, so each check is a
-    binary search.
+    Sorted by memory, a point can only be dominated by an earlier one that is no slower and no costlier; the
+    earlier kept points are summarized by their (time, cost) staircase, so each check is a binary search.
     """
-    points.sort(key=lambda p: (p.memory_bytes, p.time_s, cost(p)))
+    order = np.lexsort((cost, time, memory))  # stable: equal points keep their order
     stair_t: list[float] = []  # increasing time ...
     stair_c: list[float] = []  # ... strictly decreasing cost
-    out: list[ParetoPoint] = []
-    for p in points:
-        t, c = p.time_s, cost(p)
-        i = bisect.bisect_right(stair_t, t)
-        if i and stair_c[i - 1] <= c:  # the cheapest earlier point at least as fast is no costlier
+    out: list[int] = []
+    for i, t, c in zip(order.tolist(), time[order].tolist(), cost[order].tolist()):
+        at = bisect.bisect_right(stair_t, t)
+        if at and stair_c[at - 1] <= c:  # the cheapest earlier point at least as fast is no costlier
             continue
-        out.append(p)
-        j = i
-        while j < len(stair_t) and stair_c[j] >= c:  # staircase points p now covers
-            j += 1
-        stair_t[i:j] = [t]
-        stair_c[i:j] = [c]
-    return out
+        out.append(i)
+        end = at
+        while end < len(stair_t) and stair_c[end] >= c:  # staircase points this one now covers
+            end += 1
+        stair_t[at:end] = [t]
+        stair_c[at:end] = [c]
+    return np.asarray(out, dtype=np.intp)
 
 
 def least_mix_bytes(front: list[ParetoPoint], num_layers: int, workspace_bytes: float) -> float:
@@ -102,10 +100,6 @@ def mix_bytes(M: np.ndarray, R: np.ndarray, num_layers: int, m: np.ndarray, work
     return np.where(rich > lean, peak, np.inf)
 
 
-def _peak(p: ParetoPoint) -> float:
-    return p.peak_bytes
-
-
 def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     """Every single-layer policy not dominated in (stored bytes, backward peak, time), by increasing memory."""
     n = problem.num_ops
@@ -118,58 +112,73 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
             return problem.segment_cost(seg.start, seg.stop - 1, before)
         return sum(problem.choices[i][rec[i]].time_s for i in seg)
 
-    # where each stored choice is live, placed once: the DP extends every prefix with each of them
+    # where each stored choice is live, placed once: the DP extends every group of prefixes with each of them
     placed = [[problem.choice_stages(j, c) for c in cs] for j, cs in enumerate(problem.choices)]
-    # states[j][(k, ahead)]: prefixes 0..j that store op j with choice k and leave ``ahead`` on stages j+1..
-    states: list[dict[tuple, list[_Prefix]]] = [dict() for _ in range(n)]
-    start = _Prefix(0.0, 0.0, (), float("-inf"), (0.0,) * n)  # nothing stored; every stage ahead
+    # states[j][(k, ahead)]: the prefixes 0..j that store op j with choice k and leave ``ahead`` on stages j+1..,
+    # while op j's are being collected, the groups each extension made
+    states: list[dict[tuple, list[_Prefixes]]] = [dict() for _ in range(n)]
+    start = _Prefixes((0.0,) * n, np.zeros(1), np.zeros(1), np.full(1, -np.inf), [()])  # nothing stored yet
     for k, c in enumerate(problem.choices[0]):
         if not c.is_recompute:
             _extend(states[0], start, k, c, placed[0][k], 0, -1, grad)
-    final: list[ParetoPoint] = []
+    final: list[_Prefixes] = []
     for j in range(n):
-        for (k, _), prefixes in states[j].items():
+        group = {key: _Prefixes.merge(parts) for key, parts in states[j].items()}
+        for (k, _), prefixes in group.items():
             before = problem.choices[j][k]
             for seg in candidate_segments(recomputable, j + 1):
                 nxt = seg.stop
-                seg_cost = segment_time(seg, before) if seg else 0.0
-                seg_picks = tuple(rec[i] for i in seg)
                 stages = (problem.segment_stages(seg.start, seg.stop - 1, before, stash=chain_aware) if seg else {})
                 held = problem.segment_memory(seg.start, seg.stop - 1, before) if chain_aware and seg else 0.0
-                for p in prefixes:
-                    q = _Prefix(p.memory_bytes + held, p.time_s + seg_cost, p.picks + seg_picks, p.peak_bytes,
-                                _add(p.ahead, stages, j, held))
-                    if nxt == n:
-                        peak = max([q.peak_bytes] + [grad[s] + q.memory_bytes + q.ahead[s - j - 1]
-                                                     for s in range(j + 1, n)])
-                        final.append(ParetoPoint(q.memory_bytes, q.time_s, q.picks, peak))
-                        continue
-                    for k2, c2 in enumerate(problem.choices[nxt]):
-                        if not c2.is_recompute:
-                            _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad)
-        if j + 1 < n:
-            for key in states[j + 1]:
-                states[j + 1][key] = _prune(states[j + 1][key], _peak)
+                seg_picks = tuple(rec[i] for i in seg)
+                q = _Prefixes(_add(prefixes.ahead, stages, j, held), prefixes.memory + held,
+                              prefixes.time + (segment_time(seg, before) if seg else 0.0), prefixes.peak,
+                              [p + seg_picks for p in prefixes.picks] if seg_picks else prefixes.picks)
+                if nxt == n:  # the layer ends: every stage left is final
+                    tail = max((grad[s] + q.ahead[s - j - 1] for s in range(j + 1, n)), default=-np.inf)
+                    final.append(_Prefixes((), q.memory, q.time, np.maximum(q.peak, q.memory + tail), q.picks))
+                    continue
+                for k2, c2 in enumerate(problem.choices[nxt]):
+                    if not c2.is_recompute:
+                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad)
+    points = _Prefixes.merge(final)
     if problem.runtime_overhead_s:
         # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
         # among them holds, and keep-all (the most memory) cannot dominate any of them
-        final = [p if problem.is_stock(p.picks) else
-                 ParetoPoint(p.memory_bytes, p.time_s + problem.runtime_overhead_s, p.picks, p.peak_bytes)
-                 for p in final]
-    return _prune(final, _peak)
+        points.time = points.time + np.array([0.0 if problem.is_stock(p) else problem.runtime_overhead_s
+                                              for p in points.picks])
+    return [ParetoPoint(float(points.memory[i]), float(points.time[i]), points.picks[i], float(points.peak[i]))
+            for i in _front(points.memory, points.time, points.peak).tolist()]
 
 
-@dataclass(frozen=True)
-class _Prefix:
-    """Ops 0..j decided, op j stored (named as :class:`ParetoPoint`'s fields, so :func:`_prune` takes both)."""
+@dataclass
+class _Prefixes:
+    """Prefixes over ops 0..j that store op j with the same choice and leave the same bytes on the stages not yet
+    final: the DP's unit of work, one array entry per prefix, so extending them is a few vector operations."""
 
-    memory_bytes: float
-    time_s: float
-    picks: tuple[int, ...]
-    peak_bytes: float
-    """The largest final stage."""
     ahead: tuple[float, ...]
-    """Bytes on each later stage beyond ``memory_bytes``, from the first stage not yet final."""
+    """Bytes on each later stage beyond a prefix's stored bytes, from the first stage not yet final."""
+    memory: np.ndarray
+    """Stored bytes."""
+    time: np.ndarray
+    peak: np.ndarray
+    """The largest final stage."""
+    picks: list[tuple[int, ...]]
+
+    @staticmethod
+    def merge(parts: list[_Prefixes]) -> _Prefixes:
+        """One group of ``parts`` (their ``ahead`` equal, to rounding) without the prefixes another dominates:
+        those can be replaced in any completed policy, since the rest of the layer adds the same to each."""
+        if len(parts) == 1:
+            g = parts[0]
+        else:
+            g = _Prefixes(parts[0].ahead, np.concatenate([p.memory for p in parts]),
+                          np.concatenate([p.time for p in parts]), np.concatenate([p.peak for p in parts]),
+                          [t for p in parts for t in p.picks])
+        keep = _front(g.memory, g.time, g.peak)
+        if len(keep) == len(g.picks):
+            return g
+        return _Prefixes(g.ahead, g.memory[keep], g.time[keep], g.peak[keep], [g.picks[i] for i in keep.tolist()])
 
 
 def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: float) -> tuple[float, ...]:
@@ -178,17 +187,17 @@ def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: fl
     out = list(ahead)
     for s, nbytes in stages.items():
         out[s - last - 1] += nbytes
-    # list comprehensions, not generators: this runs for every prefix the DP extends
     return tuple([x - held for x in out]) if held else tuple(out)
 
 
-def _extend(bucket: dict, q: _Prefix, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
+def _extend(bucket: dict, q: _Prefixes, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
             grad: list[float]) -> None:
-    """Store op ``nxt`` with choice ``k2`` (live at ``placed``) after prefix ``q``, whose ``ahead`` starts after
+    """Store op ``nxt`` with choice ``k2`` (live at ``placed``) after prefixes ``q``, whose ``ahead`` starts after
     stage ``last``: stages ``last + 1 .. nxt`` become final."""
     full = _add(q.ahead, placed, last, c2.memory_bytes)
-    memory = q.memory_bytes + c2.memory_bytes
-    peak = max([q.peak_bytes] + [grad[s] + memory + full[s - last - 1] for s in range(last + 1, nxt + 1)])
+    memory = q.memory + c2.memory_bytes
+    final = max(grad[s] + full[s - last - 1] for s in range(last + 1, nxt + 1))
     rest = full[nxt - last:]
     key = (k2, tuple([round(x, 3) for x in rest]))
-    bucket.setdefault(key, []).append(_Prefix(memory, q.time_s + c2.time_s, q.picks + (k2,), peak, rest))
+    bucket.setdefault(key, []).append(_Prefixes(rest, memory, q.time + c2.time_s, np.maximum(q.peak, memory + final),
+                                                [p + (k2,) for p in q.picks]))

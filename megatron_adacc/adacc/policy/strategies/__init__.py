@@ -1,7 +1,7 @@
-"""MILP strategies, one per file (Checkmate style); each returns a :class:`SolveResult`.
+"""Solver strategies, one per file (Checkmate style); each returns a :class:`SolveResult`.
 
-* ``paper``          eq. 4-8 of the Adacc paper: one policy for all layers, additive recompute cost.
-* ``chain_aware``    the same with segment-aware recompute cost.
+* ``paper``          eq. 4-8 of the Adacc paper, an MILP: one policy for all layers, additive recompute cost.
+* ``chain_aware``    the same with segment-aware recompute cost, exactly by the Pareto DP.
 * ``heterogeneous``  per-layer choice among Pareto-optimal single-layer policies (either cost model).
 * ``brute_force``    exhaustive oracle for small problems.
 """
