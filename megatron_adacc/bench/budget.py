@@ -199,8 +199,8 @@ def run(args) -> dict:
 
 
 def _milp(problem) -> dict:
-    """Each formulation solved at one budget by every installed MILP backend (HiGHS, CBC): the first backend's
-    solution, and each backend's solve time, printed as a small table."""
+    """Each formulation solved at one budget by every installed MILP backend (HiGHS, CBC; once where it runs no
+    MILP): the first backend's solution, and each backend's solve time, printed as a small table."""
     from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, solve
     from megatron_adacc.adacc.policy.strategies.base import available_backends, milp_backend
 
@@ -213,6 +213,8 @@ def _milp(problem) -> dict:
             for backend in backends:
                 with milp_backend(backend):
                     results[backend] = solve(problem, **kw)
+                if results[backend].backend is None:  # no MILP ran (the chain-aware DP): another backend is the same
+                    break
         except InfeasibleBudgetError as e:
             out[label] = {"infeasible": True, "min_feasible_model_bytes": e.min_feasible_bytes}
             continue
