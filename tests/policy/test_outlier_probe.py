@@ -88,7 +88,8 @@ def _count(x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_the_probe_counts_every_outlier_op_as_the_codec_selects_them(name) -> None:
-    model = _model(hidden_dropout=0.0, attention_dropout=0.0)  # the reference forward must be the training one
+    model = _model(hidden_dropout=0.0, attention_dropout=0.0)  # the training forward is the reference's
+    marker = model.decoder.layers[0].input_layernorm.eval()  # a module in its own mode stays in it
     batch = tiny_batch(batch_size=2, seq_length=32)
     tokens, positions, mask, labels = batch
     megatron_adacc.install(model.config, POLICIES[name], predict_memory=False)
@@ -97,6 +98,8 @@ def test_the_probe_counts_every_outlier_op_as_the_codec_selects_them(name) -> No
     probe.arm()
     model(tokens, positions, mask, labels=labels).float().mean().backward()
     samples = probe.measure(POLICIES[name])
+    assert all(m.training for m in model.modules() if m is not marker) and not marker.training
+    marker.train()
 
     reference = _op_outputs_of_megatrons_forward(model, batch)
     assert set(samples) == set(OUTLIER_OPS)  # kept, compressed and recomputed ops alike
@@ -112,16 +115,37 @@ def test_the_probe_counts_every_outlier_op_as_the_codec_selects_them(name) -> No
     assert not model.decoder._forward_pre_hooks and not model.decoder.layers[0].input_layernorm._forward_pre_hooks
 
 
-def test_sampling_leaves_the_random_streams_where_they_were() -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    model = _model()  # with dropout
+def _probe_after_a_step(model: torch.nn.Module) -> OutlierProbe:
+    """A probe armed before one training forward and backward of ``model`` under the mixed policy."""
     tokens, positions, mask, labels = tiny_batch(batch_size=2, seq_length=32)
     megatron_adacc.install(model.config, POLICIES["mixed"], predict_memory=False)
     probe = OutlierProbe(Z, repeats=1)
     probe.setup([model])
     probe.arm()
     model(tokens, positions, mask, labels=labels).float().mean().backward()
+    return probe
+
+
+def test_the_probe_samples_without_dropout() -> None:
+    """Dropout leaves the channel absolute sums unchanged in expectation; the probe reads that expectation, and
+    with dropout its no-grad forward held two hidden-state tensors per layer more until it returned
+    (outlier_probe._without_dropout)."""
+    model = _model()  # with dropout
+    modes: list[bool] = []
+    for layer in model.decoder.layers:  # the flag megatron's bias-dropout-adds read
+        layer.pre_mlp_layernorm.register_forward_hook(lambda m, a, o, layer=layer: modes.append(layer.training))
+    probe = _probe_after_a_step(model)
+    assert modes == [True, True]
+    modes.clear()
+    assert probe.measure(POLICIES["mixed"])
+    assert modes == [False, False]
+    assert all(m.training for m in model.modules())
+
+
+def test_sampling_leaves_the_random_streams_where_they_were() -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    probe = _probe_after_a_step(_model())  # with dropout
     cpu, tracker = torch.get_rng_state(), get_cuda_rng_tracker().get_states()
     assert probe.measure(POLICIES["mixed"])
     assert torch.equal(torch.get_rng_state(), cpu)
