@@ -45,11 +45,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, RNG_OPS, Action, segments
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.models import UNFUSED
+
+if TYPE_CHECKING:  # pareto imports this module
+    from megatron_adacc.adacc.policy.pareto import ParetoPoint
 
 # Python 3.11 looks enum members up through EnumType.__getattr__ (about 0.1 us each, ten times a string
 # comparison); the checks below run in the inner loops of the Pareto DP and the MILP graph, so they compare
@@ -172,10 +176,15 @@ class Problem:
         from megatron_adacc.adacc.policy.pareto import least_mix_bytes, pareto_front  # pareto imports Problem
 
         front = pareto_front(self, chain_aware=stash)
-        best = min(self.num_layers * p.memory_bytes + self.transient_bytes([p.excess_bytes]) for p in front)
+        best = min(self.uniform_bytes(p) for p in front)
         if heterogeneous:
             best = min(best, least_mix_bytes(front, self.num_layers, self.workspace_bytes))
         return int(math.ceil(self.fixed_bytes + best))
+
+    def uniform_bytes(self, point: ParetoPoint) -> float:
+        """Bytes above the fixed ones of one layer policy (a :class:`~.pareto.ParetoPoint`) in every layer: every
+        layer's stored bytes beside the workspace or the policy's backward excess."""
+        return self.num_layers * point.memory_bytes + self.transient_bytes([point.excess_bytes])
 
     def transient_bytes(self, layer_excesses: Sequence[float]) -> float:
         """The transient peak on top of every layer's stored bytes: the workspace or the largest backward excess,

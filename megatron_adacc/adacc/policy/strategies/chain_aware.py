@@ -28,8 +28,7 @@ NAME = "chain_aware"
 def solve(problem: Problem) -> SolveResult:
     t0 = time.perf_counter()
     room = check_budget(problem, stash=True)
-    fitting = [p for p in pareto_front(problem, chain_aware=True) if room is None or
-               problem.num_layers * p.memory_bytes + problem.transient_bytes([p.excess_bytes]) <= room]
+    fitting = [p for p in pareto_front(problem, chain_aware=True) if room is None or problem.uniform_bytes(p) <= room]
     best = min(fitting, key=lambda p: p.time_s, default=None)
     picks = prefer_stock(problem, list(best.picks) if best else None, chain_aware=True)
     return finish_uniform(problem, NAME, picks or [], "Optimal" if picks else "Infeasible", t0, chain_aware=True)
