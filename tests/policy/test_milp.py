@@ -20,11 +20,12 @@ SIG = plain_signature(hidden_size=256, num_attention_heads=4, ffn_hidden_size=10
 
 
 def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False,
-                   remat: bool = False, runtime: bool = False) -> Problem:
+                   remat: bool = False, runtime: bool = False, reads: bool = False) -> Problem:
     """Up to 3 choices per op: keep, compress (maybe), recompute (not for op 0). With ``remat``, compressed and
     recomputed ops re-materialize their bytes in backward and there is a workspace, so the transient term
     (the larger of the two) is part of every memory bound. With ``runtime``, every layer that does not keep
-    everything pays a fixed runtime cost."""
+    everything pays a fixed runtime cost. With ``reads``, some ops read an output from past the op before them
+    (a residual add, the attention's Q/K/V), so policies whose segments would split such a read are left out."""
     choices = []
     fwd = [rng.uniform(0.1, 5.0) for _ in range(n_ops)]
     for i in range(n_ops):
@@ -49,7 +50,9 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
                       rng_bytes=float(rng.randint(0, 20)),
                       rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3),
                       workspace_bytes=float(rng.randint(0, 150)) if remat else 0.0,
-                      runtime_overhead_s=rng.uniform(0.0, 3.0) if runtime else 0.0)
+                      runtime_overhead_s=rng.uniform(0.0, 3.0) if runtime else 0.0,
+                      reads=tuple((p, r) for p in range(n_ops) for r in range(p + 2, n_ops)
+                                  if reads and rng.random() < 0.3))
     lo = problem.min_feasible_budget(stash=True)
     hi = problem.total_memory([[0] * n_ops] * n_layers, stash=True)
     problem.budget_bytes = lo + frac * max(hi - lo, 0.0)
@@ -87,6 +90,57 @@ def test_transient_term_paper_and_chain_aware_equal_brute_force(seed: int) -> No
     assert het.predicted_memory_bytes <= problem.budget_bytes + 1e-6
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_no_strategy_splits_a_read_and_each_equals_brute_force_without_them(seed: int) -> None:
+    """A segment reading an output another segment recomputes would re-run that segment at its own re-run (the
+    runtime resolves the read through the other segment's token): every strategy leaves such policies out, and is
+    still exact over the rest."""
+    rng = random.Random(1200 + seed)
+    problem = random_problem(rng, n_ops=rng.randint(4, 7), n_layers=rng.randint(1, 4), frac=rng.random(),
+                             per_tensor=seed % 2 == 1, remat=True, reads=True)
+    if not problem.reads:
+        problem.reads = ((0, 2),)
+    for strategy, chain in ((paper, False), (chain_aware, True)):
+        got = strategy.solve(problem)
+        want = brute_force.solve(problem, chain_aware=chain)
+        assert got.predicted_time_s == pytest.approx(want.predicted_time_s, rel=1e-6, abs=1e-9)
+        assert not any(problem.splits_a_read(p) for p in got.layer_picks)
+    assert not any(problem.splits_a_read(p.picks) for p in pareto_front(problem, chain_aware=True))
+    het = heterogeneous.solve(problem, chain_aware=True)
+    assert not any(problem.splits_a_read(p) for p in het.layer_picks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_heterogeneous_layers_equal_brute_force_without_split_reads(seed: int) -> None:
+    rng = random.Random(1300 + seed)
+    problem = random_problem(rng, n_ops=4, n_layers=2, frac=rng.random(), remat=True, reads=True)
+    problem.reads = problem.reads or ((0, 2),)
+    want, _ = brute_force_ordered(problem, True)
+    if want < float("inf"):
+        got = heterogeneous.solve(problem, chain_aware=True, time_limit_s=None)
+        assert got.predicted_time_s == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_a_segment_that_reads_what_another_recomputes_re_runs_it_at_its_own_re_run() -> None:
+    """Ops 0..4, op 3 reading op 1's output past op 2: with ops 1 and 3 recomputed and op 2 kept, the segment of
+    op 1 re-runs when op 3's does (at stage 4, op 3's reader), not at stage 2 where its own reader runs, and its
+    bytes are live from there down to stage 2."""
+    choices = [[Choice(Decision.keep(), 10.0, 0.0)]] + [
+        [Choice(Decision.keep(), 10.0 * (i + 1), 0.0),
+         Choice(Decision.recompute(), 0.0, 1.0, remat_bytes=10.0 * (i + 1))] for i in range(1, 5)]
+    problem = Problem(choices=choices, num_layers=1, static_bytes=0.0, budget_bytes=None,
+                      segment_time=lambda a, b: float(b - a + 1), reads=((1, 3),))
+    split = [0, 1, 0, 1, 0]
+    assert problem.splits_a_read(split) and not problem.splits_a_read([0, 1, 1, 1, 0])
+    assert not problem.splits_a_read([0, 0, 0, 1, 0]) and not problem.splits_a_read([0, 1, 0, 0, 0])
+    stages = problem.stage_bytes(split)
+    # stored: op 0 (10, live down to its reader's stage 1), op 2 (30, down to 3), op 4 (50, its own stage 4);
+    # op 1's 20 bytes, re-run with op 3's segment, live at stages 4..2 (down to its reader); op 3's 40 at 4
+    assert stages == [0.0, 10.0, 10.0 + 20.0, 10.0 + 30.0 + 20.0, 10.0 + 30.0 + 20.0 + 40.0 + 50.0]
+    problem.reads = ()  # as the model had it: op 1's segment re-run only at its own reader's stage 2
+    assert problem.stage_bytes(split) == [0.0, 10.0, 10.0 + 20.0, 10.0 + 30.0, 10.0 + 30.0 + 40.0 + 50.0]
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_min_feasible_budget_is_the_least_memory_of_any_policy(seed: int) -> None:
     rng = random.Random(400 + seed)
@@ -100,7 +154,8 @@ def test_min_feasible_budget_is_the_least_memory_of_any_policy(seed: int) -> Non
 def brute_force_heterogeneous(problem: Problem, chain_aware: bool) -> float:
     """Best total time over every multiset of per-layer policies (layers are interchangeable)."""
     layer_policies = [(problem.layer_memory(p, stash=chain_aware), problem.layer_time(p, chain_aware=chain_aware))
-                      for p in itertools.product(*(range(len(cs)) for cs in problem.choices))]
+                      for p in itertools.product(*(range(len(cs)) for cs in problem.choices))
+                      if not problem.splits_a_read(p)]
     best = float("inf")
     for combo in itertools.combinations_with_replacement(range(len(layer_policies)), problem.num_layers):
         mem = problem.fixed_bytes + sum(layer_policies[i][0] for i in combo)
@@ -123,8 +178,8 @@ def brute_force_ordered(problem: Problem, chain_aware: bool) -> tuple[float, flo
     """Best total time over every multiset of layer policies, the leaner ones in the lower layers (as the
     heterogeneous strategy places them), under the exact bound: each layer's backward beside what the layers
     below it still hold (infinite when nothing fits); and the least memory of any of them."""
-    policies = sorted(itertools.product(*(range(len(cs)) for cs in problem.choices)),
-                      key=lambda p: problem.layer_memory(p, stash=chain_aware))
+    policies = sorted((p for p in itertools.product(*(range(len(cs)) for cs in problem.choices))
+                       if not problem.splits_a_read(p)), key=lambda p: problem.layer_memory(p, stash=chain_aware))
     best, least = float("inf"), float("inf")
     for combo in itertools.combinations_with_replacement(range(len(policies)), problem.num_layers):
         layers = [policies[i] for i in combo]  # combo ascends: leaner first

@@ -33,11 +33,21 @@ def _mixed() -> dict[str, Decision]:
     return out
 
 
+def _split_read() -> dict[str, Decision]:
+    """Two recompute segments, the attention's and the MLP's, split at the kept pre-MLP norm: the MLP's residual
+    add reads the attention's output, which the first segment recomputes, so that segment re-runs with the MLP's
+    at the start of the layer's backward (the solvers leave such policies out; a policy file may have one)."""
+    out = {name: Decision.recompute() for name in OP_NAMES}
+    out.update(layer_input=Decision.keep(), pre_mlp_layernorm=Decision.keep())
+    return out
+
+
 POLICIES = {
     "keep": Policy.all_keep(1).layer_decisions(0),
     "recompute": Policy.preset("all-recompute", 1).layer_decisions(0),
     "quantize": Policy.quantize_all(1).layer_decisions(0),
     "mixed": _mixed(),
+    "split_read": _split_read(),
 }
 
 

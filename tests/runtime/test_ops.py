@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES
-from megatron_adacc.adacc.runtime.ops import PRODUCER, initial_env, layer_ops, run_ops, segment_inputs
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME
+from megatron_adacc.adacc.runtime.ops import DATAFLOWS, PRODUCER, initial_env, layer_ops, run_ops, segment_inputs
 from megatron_adacc.testing import build_tiny_gpt
 from megatron_adacc.training.distributed import set_seed
 
@@ -68,3 +68,12 @@ def test_op_table_names_and_dataflow():
     assert segment_inputs(ops[3:7]) == ("query", "key", "attention_mask", "value")
     assert segment_inputs(ops[8:10]) == ("proj_out", "proj_bias", "hidden_states")
     assert segment_inputs(ops[1:]) == ("hidden_states", "rotary_pos_emb", "attention_mask")  # full recompute
+
+
+@pytest.mark.parametrize("kind", sorted(DATAFLOWS))
+def test_the_cost_model_knows_every_read_past_the_op_before(kind):
+    """A recompute segment re-runs from every output it reads, so the cost model must know which ops read past the
+    op before them (a segment reading what another recomputes re-runs that one too): the op table's reads are
+    exactly the declared ones, for each attention."""
+    flow = DATAFLOWS[kind]
+    assert {name: flow.reads_past(name) for name in OP_NAMES} == {name: OPS_BY_NAME[name].reads for name in OP_NAMES}

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, RNG_OPS, Action, segments
+from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, RNG_OPS, Action, cross_reads, segments, split_reads
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.models import UNFUSED
@@ -119,11 +119,16 @@ class Problem:
     """Per op, the gradients live during its backward whatever the policy. Defaults to none."""
     output_bytes: list[float] | None = None
     """Per op, its outputs at full size. Defaults to the bytes it brings back when recomputed or compressed."""
+    reads: tuple[tuple[int, int], ...] | None = None
+    """``(producer, reader)`` op indices where the reader reads the producer's output past the ops between them
+    (:func:`~.ops.cross_reads`). Defaults to the transformer layer's."""
 
     def __post_init__(self) -> None:
         if self.op_names is None:
             self.op_names = ([op.name for op in OPS] if len(self.choices) == len(OPS)
                              else [f"op{i}" for i in range(len(self.choices))])
+        if self.reads is None:
+            self.reads = cross_reads(self.op_names)
         if self.rng_ops is None:
             self.rng_ops = frozenset(i for i, name in enumerate(self.op_names)
                                      if name in OPS_BY_NAME and OPS_BY_NAME[name].uses_rng)
@@ -204,14 +209,16 @@ class Problem:
                 out[s] = out.get(s, 0.0) + nbytes
         return out
 
-    def segment_stages(self, a: int, b: int, before: Choice | None, *, stash: bool) -> StageBytes:
+    def segment_stages(self, a: int, b: int, before: Choice | None, *, stash: bool,
+                       rerun: int | None = None) -> StageBytes:
         """Where recompute segment ``a..b`` is live: each op's values from the re-run (at the latest reader of
         any of them) down to its earliest reader; with ``stash`` (the chain-aware model, which counts segment
         inputs and re-runs) the stored input and RNG states until the re-run, and at the re-run its working set:
         the input at full size when it was stored compressed (decompressed) or the segment changes it (a copy),
         and the largest output of the segment that nothing saves (the scores softmax reads). ``before``: the
-        choice of op ``a - 1``."""
-        rerun = max(self.reach[a:b + 1])
+        choice of op ``a - 1``. ``rerun``: the stage it re-runs at when a later segment re-runs it first
+        (:meth:`reruns`); by default, that of its own latest reader."""
+        rerun = max(self.reach[a:b + 1]) if rerun is None else rerun
         out: StageBytes = {}
         if rerun < 0:  # nothing of the segment is saved: it never re-runs
             return out
@@ -244,10 +251,28 @@ class Problem:
             if not c.is_recompute:
                 for s, nbytes in self.choice_stages(i, c).items():
                     total[s] += nbytes
-        for seg in segments(c.is_recompute for c in chosen):
-            for s, nbytes in self.segment_stages(seg.start, seg.stop - 1, chosen[seg.start - 1], stash=stash).items():
+        segs = segments(c.is_recompute for c in chosen)
+        for seg, rerun in zip(segs, self.reruns(segs)):
+            for s, nbytes in self.segment_stages(seg.start, seg.stop - 1, chosen[seg.start - 1], stash=stash,
+                                                 rerun=rerun).items():
                 total[s] += nbytes
         return total
+
+    def reruns(self, segs: Sequence[range]) -> list[int]:
+        """The stage each of a layer's recompute segments ``segs`` re-runs at (-1: never): that of its latest reader,
+        or a later segment's re-run that reads one of its outputs (:func:`~.ops.split_reads`), if that comes first
+        in backward."""
+        out = [max(self.reach[seg.start:seg.stop]) for seg in segs]
+        for i in reversed(range(len(segs))):
+            for later in range(i + 1, len(segs)):
+                if out[later] >= 0 and any(p in segs[i] and r in segs[later] for p, r in self.reads):
+                    out[i] = max(out[i], out[later])
+        return out
+
+    def splits_a_read(self, picks: Sequence[int]) -> bool:
+        """Whether a layer with ``picks`` has a recompute segment reading what another one recomputes: the policies
+        the solvers leave out (:func:`~.ops.split_reads`)."""
+        return split_reads([c.is_recompute for c in self._chosen(picks)], self.reads)
 
     def layer_excess(self, picks: Sequence[int], *, stash: bool = False) -> float:
         """A layer's backward excess: its largest stage's bytes less what it stores (module docstring)."""

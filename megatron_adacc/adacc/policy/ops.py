@@ -68,6 +68,11 @@ class OpSpec:
     changed_by_reader: bool = False
     """The op that reads this output changes it in place (softmax masks the scores): a recompute segment that
     starts after it re-runs on a copy, so the stored value stays intact."""
+    reads: tuple[str, ...] = ()
+    """Earlier ops, besides the one right before it, whose outputs this op reads in forward (the attention reads
+    Q, K and V past the score ops, a residual add reads the residual stream). A recompute segment holding this op
+    re-runs from those outputs too: when one was recomputed in another segment, that segment re-runs with it
+    (:func:`split_reads`). The runtime's op tables are checked against these."""
 
 
 # Plain INT4 (the paper's "Quantization" baseline) and GACT's stochastic quantizer apply everywhere;
@@ -76,10 +81,10 @@ _GENERIC = ("int4_symmetric", "stochastic")
 
 
 def _spec(name: str, default: str, *extra: str, recomputable: bool = True, uses_rng: bool = False,
-          changed_by_reader: bool = False) -> OpSpec:
+          changed_by_reader: bool = False, reads: tuple[str, ...] = ()) -> OpSpec:
     codecs = (default,) + tuple(c for c in extra + _GENERIC if c != default)
     return OpSpec(name=name, default_codec=default, codecs=codecs, recomputable=recomputable, uses_rng=uses_rng,
-                  changed_by_reader=changed_by_reader)
+                  changed_by_reader=changed_by_reader, reads=reads)
 
 
 OPS: tuple[OpSpec, ...] = (
@@ -92,14 +97,14 @@ OPS: tuple[OpSpec, ...] = (
     # the dropout op's float output (saved by the context matmul) takes one-sided INT4; "bitmask" only
     # packs bool/0-1 masks and is listed for a runtime that routes the mask to it.
     _spec("dropout", "int4_asymmetric", "bitmask", uses_rng=True),
-    _spec("context", "int4_outlier"),
+    _spec("context", "int4_outlier", reads=("linear_qkv",)),
     _spec("linear_proj", "int4_outlier"),
-    _spec("self_attn_bda", "int4_outlier", uses_rng=True),
+    _spec("self_attn_bda", "int4_outlier", uses_rng=True, reads=("layer_input",)),
     _spec("pre_mlp_layernorm", "int4_outlier"),
     _spec("linear_fc1", "int4_outlier"),
     _spec("activation", "int4_outlier"),
     _spec("linear_fc2", "int4_outlier"),
-    _spec("mlp_bda", "int4_outlier", uses_rng=True),
+    _spec("mlp_bda", "int4_outlier", uses_rng=True, reads=("self_attn_bda",)),
 )
 
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
@@ -160,6 +165,28 @@ def segments(recomputed: Iterable[bool]) -> list[range]:
             found.append(range(start, stop))
         start = stop
     return found
+
+
+def cross_reads(op_names: Sequence[str]) -> tuple[tuple[int, int], ...]:
+    """``(producer, reader)`` index pairs of ``op_names`` where the reader reads the producer's output past the
+    ops between them (:attr:`OpSpec.reads`); names that are not the layer's ops read nothing."""
+    index = {name: i for i, name in enumerate(op_names)}
+    return tuple((index[p], i) for i, name in enumerate(op_names) if name in OPS_BY_NAME
+                 for p in OPS_BY_NAME[name].reads if p in index)
+
+
+def split_reads(recomputed: Sequence[bool], reads: Iterable[tuple[int, int]]) -> bool:
+    """Whether a recompute segment of the layer reads an output that another segment recomputes: a producer and its
+    reader of ``reads`` both recomputed, with a stored op between them.
+
+    The runtime re-runs such a reader's segment from the producer's output, which is a token into the producer's
+    segment, so that segment re-runs in full at the reader's re-run, earlier in backward than its own readers ask
+    for, and holds its values from there. The cost model places them so (:meth:`~.cost_model.Problem.stage_bytes`);
+    the solvers leave these policies out (a segment's stages would then depend on later ones). Little is lost: the
+    two segments re-run together anyway, so recomputing the ops between them too holds the same values at the
+    same stages, and only trades those ops' stored bytes for their recompute time (under SDPA the ops between
+    the projection and the attention are empty: nothing at all)."""
+    return any(recomputed[p] and recomputed[r] and not all(recomputed[p:r + 1]) for p, r in reads)
 
 
 def candidate_segments(recomputable: Sequence[bool], start: int) -> Iterator[range]:

@@ -11,6 +11,10 @@ layer's peak beside the stored bytes of the layers below it: both grow with any 
 replacing one layer's policy by one with at most its stored bytes and peak never raises them). So the smallest
 feasible budget, every uniform optimum and every best two-policy mix are on the front.
 
+Policies where a recompute segment reads an output another segment recomputes are left out
+(:func:`~megatron_adacc.adacc.policy.ops.split_reads`): the earlier segment would re-run at the later one's stage,
+so its stages would depend on what follows. A prefix carries which of its recomputed ops later ops still read.
+
 The pruning of prefixes is exact too. After the DP has stored op j, every stage up to j is final (a stage only
 holds what ops at or before it produced, and their segments are complete), so a prefix is its stored bytes, its
 time, the largest of its final stages and what it leaves on the later stages beyond its stored bytes (a
@@ -106,6 +110,13 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
     recomputable = [k is not None for k in rec]
     grad = problem.grad_bytes
+    readers: dict[int, list[int]] = {}
+    for p, r in problem.reads:
+        readers.setdefault(p, []).append(r)
+
+    def still_read(ops, after: int) -> tuple[int, ...]:
+        """The recomputed ``ops`` that an op after ``after`` reads past the ops between them."""
+        return tuple(sorted(p for p in ops if any(r > after for r in readers.get(p, ()))))
 
     def segment_time(seg: range, before: Choice) -> float:
         if chain_aware:
@@ -114,19 +125,22 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
 
     # where each stored choice is live, placed once: the DP extends every group of prefixes with each of them
     placed = [[problem.choice_stages(j, c) for c in cs] for j, cs in enumerate(problem.choices)]
-    # states[j][(k, ahead)]: the prefixes 0..j that store op j with choice k and leave ``ahead`` on stages j+1..,
-    # while op j's are being collected, the groups each extension made
+    # states[j][(k, ahead, pending)]: the prefixes 0..j that store op j with choice k, leave ``ahead`` on stages
+    # j+1.. and recompute the ops ``pending`` that later ops read; while op j's are being collected, the groups
+    # each extension made
     states: list[dict[tuple, list[_Prefixes]]] = [dict() for _ in range(n)]
     start = _Prefixes((0.0,) * n, np.zeros(1), np.zeros(1), np.full(1, -np.inf), [()])  # nothing stored yet
     for k, c in enumerate(problem.choices[0]):
         if not c.is_recompute:
-            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad)
+            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad, ())
     final: list[_Prefixes] = []
     for j in range(n):
         group = {key: _Prefixes.merge(parts) for key, parts in states[j].items()}
-        for (k, _), prefixes in group.items():
+        for (k, _, pending), prefixes in group.items():
             before = problem.choices[j][k]
             for seg in candidate_segments(recomputable, j + 1):
+                if any(r in seg for p in pending for r in readers[p]):
+                    continue  # it would read what an earlier segment recomputes
                 nxt = seg.stop
                 stages = (problem.segment_stages(seg.start, seg.stop - 1, before, stash=chain_aware) if seg else {})
                 held = problem.segment_memory(seg.start, seg.stop - 1, before) if chain_aware and seg else 0.0
@@ -138,9 +152,10 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                     tail = max((grad[s] + q.ahead[s - j - 1] for s in range(j + 1, n)), default=-np.inf)
                     final.append(_Prefixes((), q.memory, q.time, np.maximum(q.peak, q.memory + tail), q.picks))
                     continue
+                ahead_reads = still_read([*pending, *seg], nxt)
                 for k2, c2 in enumerate(problem.choices[nxt]):
                     if not c2.is_recompute:
-                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad)
+                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad, ahead_reads)
     points = _Prefixes.merge(final)
     if problem.runtime_overhead_s:
         # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
@@ -191,13 +206,14 @@ def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: fl
 
 
 def _extend(bucket: dict, q: _Prefixes, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
-            grad: list[float]) -> None:
+            grad: list[float], pending: tuple[int, ...]) -> None:
     """Store op ``nxt`` with choice ``k2`` (live at ``placed``) after prefixes ``q``, whose ``ahead`` starts after
-    stage ``last``: stages ``last + 1 .. nxt`` become final."""
+    stage ``last``: stages ``last + 1 .. nxt`` become final. ``pending``: the prefixes' recomputed ops that ops after
+    ``nxt`` read."""
     full = _add(q.ahead, placed, last, c2.memory_bytes)
     memory = q.memory + c2.memory_bytes
     final = max(grad[s] + full[s - last - 1] for s in range(last + 1, nxt + 1))
     rest = full[nxt - last:]
-    key = (k2, tuple([round(x, 3) for x in rest]))
+    key = (k2, tuple([round(x, 3) for x in rest]), pending)
     bucket.setdefault(key, []).append(_Prefixes(rest, memory, q.time + c2.time_s, np.maximum(q.peak, memory + final),
                                                 [p + (k2,) for p in q.picks]))

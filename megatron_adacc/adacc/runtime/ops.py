@@ -84,7 +84,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME
 from megatron_adacc.adacc.policy.ops import RNG_OPS as RNG_OPS_BY_KIND
 from megatron_adacc.models import SDPA, UNFUSED
 from megatron_adacc.models.attention import attention_kind
@@ -368,6 +368,15 @@ class Dataflow:
         self.producer: dict[str, str] = {out: row[0] for row in self.table for out in row[2]}
         #: Op name -> (inputs, outputs).
         self.io: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {row[0]: (row[1], row[2]) for row in self.table}
+        assert all(set(self.reads_past(name)) <= set(OPS_BY_NAME[name].reads) for name in OP_NAMES), (
+            "an op reads an output past the op before it that adacc.policy.ops does not declare in its reads")
+
+    def reads_past(self, name: str) -> tuple[str, ...]:
+        """The ops, besides the one right before op ``name`` (and itself), whose outputs it reads: what the cost
+        model knows as :attr:`~megatron_adacc.adacc.policy.ops.OpSpec.reads`."""
+        before = OP_NAMES[max(OP_NAMES.index(name) - 1, 0)]
+        found = (self.producer.get(value) for value in self.io[name][0])
+        return tuple(dict.fromkeys(op for op in found if op is not None and op not in (before, name)))
 
 
 DATAFLOWS: dict[str, Dataflow] = {

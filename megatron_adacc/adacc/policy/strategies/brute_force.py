@@ -22,6 +22,8 @@ def solve(problem: Problem, *, chain_aware: bool = False) -> SolveResult:
         raise ValueError(f"brute force would enumerate {total:,} policies (limit {MAX_POLICIES:,}); use the MILP")
     best, best_t = None, float("inf")
     for picks in itertools.product(*(range(len(cs)) for cs in problem.choices)):
+        if problem.splits_a_read(picks):
+            continue
         total = problem.total_memory([picks] * problem.num_layers, stash=chain_aware)
         if problem.budget_bytes is not None and total > problem.budget_bytes:
             continue

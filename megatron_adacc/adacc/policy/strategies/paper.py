@@ -43,6 +43,13 @@ def _solve(problem: Problem, room: float | None, backend: str) -> list[int] | No
     for i, row in enumerate(x):
         prob += pulp.lpSum(row) == 1, f"eq5_one_choice_{i}"
     # eq. 6 (R_{1,0} = 0): the problem offers the first op no recompute choice (checked by Problem).
+    rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
+    for p, r in problem.reads:  # no segment reads what another recomputes (ops.split_reads)
+        if rec[p] is None or rec[r] is None:
+            continue
+        for m in range(p + 1, r):
+            stored = 1 - x[m][rec[m]] if rec[m] is not None else 1
+            prob += x[p][rec[p]] + stored + x[r][rec[r]] <= 2, f"one_segment_{p}_{m}_{r}"
     if room is not None:
         stored = pulp.lpSum(c.memory_bytes / unit * x[i][k]
                             for i, cs in enumerate(problem.choices) for k, c in enumerate(cs))
@@ -52,7 +59,6 @@ def _solve(problem: Problem, room: float | None, backend: str) -> list[int] | No
                 if not c.is_recompute:
                     for s, nbytes in problem.choice_stages(i, c).items():
                         by_stage[s].append(nbytes / unit * x[i][k])
-        rec = [next((k for k, c in enumerate(cs) if c.is_recompute), None) for cs in problem.choices]
         stages = [pulp.lpSum(terms) + _recomputed_at(prob, problem, x, rec, s, unit)
                   for s, terms in enumerate(by_stage)]
         add_memory_bounds(prob, problem, room, stored, stages)  # eq. 7-8 with the backward stages
