@@ -86,3 +86,27 @@ def test_a_trace_without_the_allocator_setting_is_refused_in_one_line_with_the_f
         with stages.BackwardTrace():
             pass
     assert stages.active() is None
+
+
+def test_a_tensor_passed_on_starts_the_stage_of_the_op_that_made_it(monkeypatch):
+    """A layer's input is the previous layer's output: its ``layer_input`` stage (the backward of nothing) ends as
+    it starts, and what follows is the previous layer's ``mlp_bda`` stage. Both hooks sit on one tensor and run in
+    the order they were added, so the later label must hand the stage back, or it takes the earlier op's bytes."""
+    import torch
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+
+    def mlp_bda_backward(grad):
+        work = torch.ones(16 * MiB)  # 64 MiB touched in the stage that follows the shared gradient
+        del work
+
+    a = torch.ones(4, requires_grad=True)
+    with stages.BackwardTrace() as trace:
+        y = a * 2
+        y.register_hook(mlp_bda_backward)
+        x = y + 1
+        trace.mark(0, "mlp_bda", {"output": x})
+        trace.mark(1, "layer_input", {"hidden_states": x})
+        (x * 3).sum().backward()
+    peaks = trace.by_label()
+    assert peaks["L0/mlp_bda"] - peaks["L1/layer_input"] >= 48 * MiB, {k: v / MiB for k, v in peaks.items()}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES
 from megatron_adacc.core.devices import note_peak_before_reset, peak_resident_bytes, resident_bytes
@@ -136,6 +137,7 @@ class BackwardTrace:
     def __post_init__(self) -> None:
         self._current = "forward"
         self._index: dict[str, int] = {}
+        self._hooked: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> the label hooked on it
 
     def __enter__(self) -> BackwardTrace:
         global _ACTIVE
@@ -171,7 +173,15 @@ class BackwardTrace:
         values = outputs.values() if isinstance(outputs, dict) else [outputs]
         for value in values:
             if isinstance(value, torch.Tensor) and value.requires_grad and not isinstance(value, torch.nn.Parameter):
-                value.register_hook(lambda grad, label=label: self._enter(label))
+                earlier = self._hooked.get(value)
+                if earlier is None:
+                    self._hooked[value] = label
+                    value.register_hook(lambda grad, label=label: self._enter(label))
+                else:
+                    # An op that passes a tensor on (a layer's input is the previous layer's output): its stage, the
+                    # backward of nothing, ends as it starts, and the stage of the op that made the tensor runs
+                    # from there. Hooks run in the order they were added, so this one re-enters the earlier label.
+                    value.register_hook(lambda grad, label=label, earlier=earlier: self._pass(label, earlier))
 
     def enter_forward(self, layer: int | None, op: str | None) -> None:
         """The forward of ``op`` of ``layer`` starts (``None``: a layer's forward ended; what runs until the next
@@ -179,6 +189,10 @@ class BackwardTrace:
         self._enter("head" if op is None else f"F{-1 if layer is None else layer}/{op}")
 
     # ------------------------------------------------------------------------------------------ inner
+    def _pass(self, label: str, then: str) -> None:
+        self._enter(label)
+        self._enter(then)
+
     def _enter(self, label: str) -> None:
         if label != self._current:
             self._close()
