@@ -92,7 +92,7 @@ def _layer_codec_policy(tmp):
 def _auto_with_compression(base: list[str]) -> list[str]:
     """``auto`` at the smallest budget it can meet, where it must compress. The budget counts the process's
     memory too, so the baseline is fixed (a measured one varies by more than the tiny model's activations)."""
-    from megatron_adacc.adacc.integration.auto import resolve_policy
+    from megatron_adacc.adacc.integration.policy_source import resolve_policy
     from megatron_adacc.adacc.policy.strategies.base import InfeasibleBudgetError
     from megatron_adacc.testing import tiny_config
     from megatron_adacc.training.args import parse_train_args

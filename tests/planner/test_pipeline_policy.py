@@ -8,9 +8,10 @@ import copy
 
 import pytest
 
-from megatron_adacc.adacc.integration.auto import check_layer_count, solve_stages
+from megatron_adacc.adacc.integration.auto import solve_stages
 from megatron_adacc.adacc.integration.checks import UnsupportedConfigError
 from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout
+from megatron_adacc.adacc.integration.policy_source import check_layer_count
 from megatron_adacc.adacc.planner.layout import Layout
 from megatron_adacc.adacc.planner.plan import Planner
 from megatron_adacc.adacc.policy import Policy, load_policy, save_policy

@@ -8,10 +8,8 @@ from typing import Any, TypeVar
 import torch
 
 from megatron_adacc.adacc.integration import profile_child
-from megatron_adacc.adacc.integration.checks import UnsupportedConfigError
 from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout
-from megatron_adacc.adacc.policy.io import load_policy
-from megatron_adacc.adacc.policy.policy import Policy, preset_key
+from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.profile_db import ProfileDB
 from megatron_adacc.adacc.policy.signature import model_signature
@@ -281,31 +279,3 @@ def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[
     excess = [s["peak_bytes"] - bound[s["stage"]] for s in traced
               if s["stage"] == "head" or s["stage"].startswith(first) and s["stage"] in bound]
     return int(round(max([peak_bytes - problem.total_memory([keep] * n, stash=True), *excess])))
-
-
-def resolve_policy(args: Any, config: Any, *, isolate: bool = False) -> Policy | str | None:
-    """What ``--adacc-policy`` names: None (``none``), a preset name, the ``auto`` policy (profiled in a child
-    process with ``isolate``), or a file's policy (checked against this model's signature)."""
-    spec = getattr(args, "adacc_policy", "none") or "none"
-    key = spec.replace("_", "-").lower()
-    if key == "none":
-        return None
-    if key == "auto":
-        return make_policy(args, config, isolate=isolate)
-    if preset_key(key) is not None:
-        return Policy.preset(key, config.num_layers)
-    return check_layer_count(load_policy(spec, signature=model_signature(config, args)), config, spec)
-
-
-def check_layer_count(policy: Policy, config: Any, source: str) -> Policy:
-    """``policy`` when it can run on this model: every layer's decisions (each pipeline stage installs its slice)
-    or, under pipeline parallelism, one stage's (every stage installs the same); else one line, before anything is
-    built. (A signed policy was checked whole against the model's signature already.)"""
-    pipeline = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
-    fits = {config.num_layers, config.num_layers // pipeline}
-    if policy.num_layers not in fits:
-        stage = f" or one pipeline stage's {config.num_layers // pipeline}" if pipeline > 1 else ""
-        raise UnsupportedConfigError(
-            f"the policy {source} has {policy.num_layers} layers but this model has {config.num_layers}{stage} "
-            f"(--num-layers); make the policy for this model (adacc solve ... --num-layers {config.num_layers})")
-    return policy

@@ -326,7 +326,7 @@ def _solved_with(args: Any, policy: Policy, profile: LayerProfile) -> SolveOptio
 def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution | None:
     """The evolution extension for a solved policy (``--adacc-policy auto``), or None when turned off or
     when the policy does not reference a stored profile (presets, hand-written files)."""
-    if getattr(args, "adacc_no_evolution", False) or policy.profile is None or policy.budget_bytes is None:
+    if getattr(args, "adacc_no_evolution", False) or not policy.solved:
         return None
     from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout, this_stage
     from megatron_adacc.adacc.policy.profile_db import ProfileDB

@@ -154,7 +154,7 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
     ``auto`` profiles (or reuses the stored profile) and solves the MILP; a file is checked against this model's
     signature; presets are sized to the model.
     """
-    from megatron_adacc.adacc.integration.auto import resolve_policy
+    from megatron_adacc.adacc.integration.policy_source import resolve_policy
 
     policy = resolve_policy(args, config, isolate=True)
     predict = getattr(args, "adacc_predict_memory", None)
@@ -168,9 +168,13 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
 def build_extensions(args: Any, config: Any) -> list[TrainingExtension]:
     """``--adacc-policy``'s extensions: the policy's, then evolution's when the policy was solved (``auto``)
     and evolution is not turned off: only a solved policy carries the profile and budget it re-solves against."""
-    from megatron_adacc.adacc.integration.evolution import build_extension as evolution_extension
     from megatron_adacc.adacc.policy import Policy
 
     adacc = build_extension(args, config)
-    evolution = evolution_extension(args, config, adacc.policy) if isinstance(adacc.policy, Policy) else None
+    policy = adacc.policy
+    if not (isinstance(policy, Policy) and policy.solved):
+        return [adacc]  # nothing to re-solve, and the solver (evolution's import) stays unloaded
+    from megatron_adacc.adacc.integration.evolution import build_extension as evolution_extension
+
+    evolution = evolution_extension(args, config, policy)
     return [adacc] if evolution is None else [adacc, evolution]

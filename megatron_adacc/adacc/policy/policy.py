@@ -127,6 +127,12 @@ class Policy:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def solved(self) -> bool:
+        """Whether the policy names the profile and budget it was solved against (``auto``'s, or a file written
+        by ``adacc solve``): what policy evolution re-solves from. Presets and hand-written files do not."""
+        return self.profile is not None and self.budget_bytes is not None
+
     def counts(self) -> dict[Action, int]:
         """How many saved tensors each action covers, over every layer."""
         found = {action: 0 for action in Action}
