@@ -100,6 +100,8 @@ def reading(stats: dict, decisions: dict | None = None) -> str:
                      "seed to seed; the differences below are paired by seed (the same initial weights, data order "
                      "and dropout masks on both sides)")
     adacc = stats["vs_baseline"].get("adacc")
+    if adacc and adacc["sd"] is not None and spread:
+        parts.append(_pairing(adacc["sd"], spread))
     if adacc:
         parts.append(f"Adacc {_fmt(adacc)} against the baseline: " + _against_bound(adacc))
     quant = stats.get("quantization_vs_adacc")
@@ -114,6 +116,23 @@ def reading(stats: dict, decisions: dict | None = None) -> str:
             parts.append(f"without outlier separation {_fmt(ablation)} against Adacc: "
                          + _sign(ablation, "worse, so separation pays", "better"))
     return ("; ".join(parts) + ".") if parts else "no seeded runs to compare."
+
+
+#: The interval half-width, in points, that :func:`_pairing` counts the seeds for: half the paper's bound.
+RESOLUTION = 0.25
+
+
+def _pairing(sd: float, spread: float) -> str:
+    """What pairing bought: Adacc's paired differences against what two independent seeds would differ by
+    (sqrt 2 x the baseline's spread), and how many seeds an interval of +-:data:`RESOLUTION` points would take."""
+    seeds_needed = max(2, math.ceil((1.96 * sd / RESOLUTION) ** 2))
+    independent = math.sqrt(2) * spread
+    bought = ("they vary as much as two independent seeds would, so the runs from one seed decorrelate over "
+              "these steps and pairing buys nothing" if sd >= independent else
+              f"pairing cuts that to {sd / independent:.0%}")
+    return (f"Adacc's paired differences have a {sd:.2f}% standard deviation against {independent:.2f}% for two "
+            f"independent seeds: {bought}; an interval of +-{RESOLUTION} points would take about {seeds_needed} "
+            "seeds")
 
 
 def _against_bound(iv: dict) -> str:

@@ -39,3 +39,14 @@ def test_adacc_is_held_against_the_papers_bound_by_its_interval(diffs, verdict) 
     runs = {"baseline": {s: 2.0 for s in (1, 2, 3)},
             "adacc": {s: 2.0 * (1 + d / 100) for s, d in zip((1, 2, 3), diffs)}}
     assert verdict in seeds.reading(seeds.summary(runs))
+
+
+def test_the_reading_says_what_pairing_bought_and_how_many_seeds_would_resolve_a_quarter_point() -> None:
+    base = {1: 2.0, 2: 2.02, 3: 1.98}  # spread 1.00%: two independent seeds differ by 1.41%
+    decorrelated = seeds.reading(seeds.summary({"baseline": base, "adacc": {1: 2.04, 2: 2.0, 3: 1.98}}))
+    # paired differences +2%, -0.99%, 0%: sd 1.52%, so pairing bought nothing; (1.96 x 1.52 / 0.25)^2 = 142.4
+    assert ("a 1.52% standard deviation against 1.41% for two independent seeds: they vary as much as two "
+            "independent seeds would") in decorrelated
+    assert "about 143 seeds" in decorrelated
+    paired = seeds.reading(seeds.summary({"baseline": base, "adacc": {s: v * 1.002 for s, v in base.items()}}))
+    assert "pairing cuts that to 0%" in paired and "about 2 seeds" in paired
