@@ -291,7 +291,8 @@ def _fig6(args, loss_steps, corpus: str, budget: int, loss_seeds: list[int], ste
             try:
                 if "auto" in flags:
                     flags = flags + ["--adacc-memory-budget", str(budget)]
-                    profile_for(loss_common + flags)
+                    if seed == loss_seeds[0]:  # a profile does not depend on the seed: the later ones reuse it
+                        profile_for(loss_common + flags)
                 run = train_method(loss_common + flags, memory_run=False)
                 run["decisions"] = run.get("extensions", {}).get("adacc", {}).get("decisions")
             except RuntimeError as exc:

@@ -292,10 +292,12 @@ def test_fig6_trains_every_method_from_every_seed_and_keeps_the_first_seeds_curv
         return {"losses": [3.0, 2.0], "valid_loss": 2.0 + seed / 1e5, "extensions": {}}
 
     monkeypatch.setattr(paper, "train_method", train)
-    monkeypatch.setattr(paper, "profile_for", lambda flags: None)
+    profiled = []
+    monkeypatch.setattr(paper, "profile_for", lambda flags: profiled.append(flags[flags.index("--seed") + 1]))
     args = _args(None, loss_config="tiny")
     curves, seeded = paper._fig6(args, 10, "embedded", 123, [1234, 4321], Steps(None, "test"))
     assert calls == [(p, s, p == "auto") for s in (1234, 4321) for p in ("none", "quantize-all", "auto", "auto")]
+    assert profiled == ["1234", "1234"]  # each auto method profiles once, not once per seed
     assert curves["baseline"]["valid_loss"] == 2.01234
     assert seeded["baseline"] == {1234: 2.01234, 4321: 2.04321}
     assert seeded["quantization"] == {1234: 2.01234}  # a failed run is left out, not counted
