@@ -45,6 +45,10 @@ def _outlier_z(text: str) -> float:
 
 
 _HEADROOM = checked(float, lambda f: 0 <= f < 1, "a fraction in [0, 1)")
+def _tiles(text: str) -> int:
+    from megatron_adacc.adacc.policy.ops import MAX_TILES
+
+    return checked(int, lambda n: 1 <= n <= MAX_TILES, f"a whole number from 1 to {MAX_TILES}")(text)
 
 
 def _path(text: str) -> str:
@@ -110,6 +114,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="Measure the peak memory of every backward stage (one op of one layer) of each step's first "
                         "micro-batch and report the last step's beside the cost model's prediction (CPU, Linux). "
                         "It sets glibc's mmap threshold to 64 KiB, which slows the run: a measuring tool.")
+    g.add_argument("--adacc-mlp-tiles", type=_tiles, default=8, metavar="N",
+                   help="MILP: also weigh policies that re-run the MLP in N token tiles in backward, whose "
+                        "re-materialized MLP is 1/N as large, and take them where they fit a budget nothing else "
+                        "does or are faster. They sum the MLP's weight gradients over the tiles (equal up to float "
+                        "rounding); 1 turns them off. Default 8.")
     g.add_argument("--adacc-chain-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="MILP: charge a whole recompute segment when an op's input is also recomputed "
                         "(--no-adacc-chain-aware gives the paper's per-op cost).")

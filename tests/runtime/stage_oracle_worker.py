@@ -12,8 +12,10 @@ from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc.adacc.integration.profiler import profile_layer
 from megatron_adacc.adacc.integration.sample import layer_sample
-from megatron_adacc.adacc.policy.ops import OP_NAMES
-from megatron_adacc.adacc.policy.policy import Decision, Policy
+from megatron_adacc.adacc.policy.cost_model import tile_mlp
+from megatron_adacc.adacc.policy.ops import OP_NAMES, TILED_OPS
+from megatron_adacc.adacc.policy.policy import Decision, Policy, check_tiles
+from megatron_adacc.adacc.policy.profile import mlp_weight_bytes
 from megatron_adacc.adacc.policy.solver import SolveOptions, make_problem
 from megatron_adacc.adacc.runtime import checkpointed_layer_forward, stages
 from megatron_adacc.training import distributed
@@ -42,12 +44,23 @@ def _split_read() -> dict[str, Decision]:
     return out
 
 
+def _tiled() -> dict[str, Decision]:
+    """Below full recompute with the MLP re-run in 4 token tiles: the layer input and the MLP's norm compressed
+    (so the attention re-runs after the MLP's backward, not beside it), the rest recomputed."""
+    out = {name: Decision.recompute() for name in OP_NAMES}
+    outlier = Decision.compress("int4_outlier", z_threshold=3.0)
+    out.update(layer_input=outlier, pre_mlp_layernorm=outlier, mlp_bda=outlier,
+               **{name: Decision.recompute(4) for name in TILED_OPS})
+    return out
+
+
 POLICIES = {
     "keep": Policy.all_keep(1).layer_decisions(0),
     "recompute": Policy.preset("all-recompute", 1).layer_decisions(0),
     "quantize": Policy.quantize_all(1).layer_decisions(0),
     "mixed": _mixed(),
     "split_read": _split_read(),
+    "tiled": _tiled(),
 }
 
 
@@ -72,9 +85,10 @@ def layer_input(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.clone()
 
 
-def predicted(problem, decisions) -> list[float]:
-    picks = [next(k for k, c in enumerate(cs) if c.decision.action == decisions[name].action
-                  and c.decision.codec == decisions[name].codec) for name, cs in zip(OP_NAMES, problem.choices)]
+def predicted(problem, decisions, signature) -> list[float]:
+    problem = tile_mlp(problem, check_tiles(decisions), mlp_weight_bytes(signature))
+    picks = [next(k for k, c in enumerate(cs) if c.decision == decisions[name])
+             for name, cs in zip(OP_NAMES, problem.choices)]
     return problem.stage_bytes(picks, stash=True)
 
 
@@ -85,15 +99,15 @@ def main() -> None:
     distributed.initialize(device, args.seed)
     config = model_lib.transformer_config(args, device)
     sample = layer_sample(args, config, device)
-    problem = make_problem(profile_layer(sample, args, config, device=device, repeats=1), None,
-                           SolveOptions(codecs="all"), num_layers=1)
+    profile = profile_layer(sample, args, config, device=device, repeats=1)
+    problem = make_problem(profile, None, SolveOptions(codecs="all"), num_layers=1)
     out = {}
     for name, decisions in POLICIES.items():
         measured(sample, decisions)  # warm-up: the first run's first-touch allocations are not the layer's
         # the least of three runs per stage: what the allocator's small blocks add varies from run to run
         runs = [measured(sample, decisions) for _ in range(3)]
         out[name] = {"measured": {op: min(run[op] for run in runs) for op in runs[0]},
-                     "predicted": predicted(problem, decisions)}
+                     "predicted": predicted(problem, decisions, profile.signature)}
     print(json.dumps(out), flush=True)
 
 

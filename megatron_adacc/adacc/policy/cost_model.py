@@ -44,10 +44,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME, RNG_OPS, Action, cross_reads, segments, split_reads
+from megatron_adacc.adacc.policy.ops import (
+    OPS,
+    OPS_BY_NAME,
+    RNG_OPS,
+    TILED_OPS,
+    Action,
+    cross_reads,
+    segments,
+    split_reads,
+)
 from megatron_adacc.adacc.policy.policy import Decision
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.models import UNFUSED
@@ -84,7 +93,9 @@ class Choice:
 
     @property
     def is_recompute(self) -> bool:
-        return self.decision.action == _RECOMPUTE
+        """Whether the op joins a recompute segment: recomputed, and not in token tiles (a tiled MLP re-runs
+        inside its own backward, :func:`tile_mlp`)."""
+        return self.decision.action == _RECOMPUTE and self.decision.tiles == 1
 
 
 @dataclass
@@ -422,6 +433,51 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         output_bytes=(None if any(op.output_bytes is None for op in profile.ops)
                       else [float(op.output_bytes) for op in profile.ops]),
     )
+
+
+def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
+    """``problem`` with the MLP's token-wise ops (:data:`~.ops.TILED_OPS`) re-run in ``tiles`` token tiles, their one
+    choice (:mod:`megatron_adacc.adacc.runtime.tiled`); the other ops keep theirs.
+
+    The block is one autograd node, whose backward is the last of its ops' stage (the first its backward reaches):
+    the block's input (what ``pre_mlp_layernorm`` holds) is read there, not at ``linear_fc1``'s stage. What it holds
+    there, beside the stage's other bytes: the gradients of its output and of its input at full size, the untiled
+    re-run's largest stage (its values and gradients) over ``tiles``, and its weights' gradients twice (``param_bytes``
+    each): their sum over the tiles and the tile's own, which autograd hands back together at the tile's end. It
+    stores nothing; an op output of it that a later segment stores is held as kept.
+    Its time is the untiled re-run's (the same arithmetic, in ``tiles`` calls)."""
+    if tiles < 2:
+        return problem
+    first, *inner, last = [problem.op_names.index(name) for name in TILED_OPS]
+    block = (first, *inner, last)
+    rerun = problem.segment_stages(first, last, None, stash=False)
+    working = max(problem.grad_bytes[s] + rerun.get(s, 0.0) for s in block)
+    boundary = problem.output_bytes[last] + problem.output_bytes[first - 1]
+    grad_bytes = list(problem.grad_bytes)
+    for s in block:
+        grad_bytes[s] = 0.0
+    grad_bytes[last] = boundary + working / tiles + 2 * param_bytes
+    keep = [next((c for c in problem.choices[i] if c.decision.action == _KEEP), None) for i in block]
+    time_s = tiled_block_time(problem)
+    choices = list(problem.choices)
+    for i, kept in zip(block, keep):
+        choices[i] = [Choice(Decision.recompute(tiles), 0.0, time_s if i == last else 0.0,
+                             stash_bytes=kept.stash_bytes if kept is not None and i == last else 0.0)]
+
+    def moved(stages: StageBytes) -> StageBytes:  # what the block's ops read is read in the block's backward
+        out: StageBytes = {}
+        for s, nbytes in stages.items():
+            out[last if s in block else s] = out.get(last if s in block else s, 0.0) + nbytes
+        return out
+
+    return replace(problem, choices=choices, grad_bytes=grad_bytes,
+                   consumers=[moved(c) if i not in block else {} for i, c in enumerate(problem.consumers)],
+                   freed=[moved(f) if i not in block else {} for i, f in enumerate(problem.freed)])
+
+
+def tiled_block_time(problem: Problem) -> float:
+    """Time of one tiled MLP re-run under ``problem`` (untiled): its ops' as one segment."""
+    return problem.segment_time(problem.op_names.index(TILED_OPS[0]), problem.op_names.index(TILED_OPS[-1]))
 
 
 def _rng_ops(profile: LayerProfile) -> frozenset[str]:

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS_BY_NAME, Action
-from megatron_adacc.adacc.policy.policy import Decision, Policy
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, MAX_TILES, OP_NAMES, OPS_BY_NAME, TILED_OPS, Action
+from megatron_adacc.adacc.policy.policy import Decision, Policy, check_tiles
 from megatron_adacc.adacc.policy.signature import NULLABLE_FIELDS, SIGNATURE_FIELDS, SIGNATURE_TYPES, check_signature
 from megatron_adacc.codecs import get_codec
 from megatron_adacc.core.errors import AdaccError, InputNotFound
@@ -101,11 +101,18 @@ def _decision_from_json(obj: Any, path: str, op: str, op_names: tuple[str, ...])
     if action == Action.RECOMPUTE and not spec.recomputable:
         raise PolicySchemaError(f"{path}.action", f"op {op!r} is the layer's checkpoint and cannot be "
                                 "recomputed (eq. 6); use keep or compress")
+    tiles = obj.get("tiles", 1)
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= MAX_TILES:
+        raise PolicySchemaError(f"{path}.tiles", f"must be a whole number from 1 to {MAX_TILES}, got {tiles!r}")
+    if tiles > 1:
+        if action != Action.RECOMPUTE or not spec.tileable:
+            raise PolicySchemaError(f"{path}.tiles", f"applies only to action recompute on "
+                                    f"{', '.join(TILED_OPS)} (got action {action!r} on op {op!r})")
     if action != Action.COMPRESS:
         extra = [k for k in ("codec",) if obj.get(k) is not None]
         if extra:
             raise PolicySchemaError(f"{path}.codec", f"must be absent for action {action!r}")
-        return Decision(action)
+        return Decision(action, tiles=tiles)
     codec = _require(obj, "codec", path + ".", str)
     if codec not in CODECS:
         raise PolicySchemaError(f"{path}.codec", f"is {codec!r}; known codecs: {', '.join(CODECS)}")
@@ -208,6 +215,10 @@ def _policy_from_json(obj: Any) -> Policy:
         read = {op: _decision_from_json(d, f"{lp}.decisions[{i}]", op, op_names)
                 for i, (d, op) in enumerate(zip(decs, op_names))}
         layers.append([read.get(op, Decision.keep()) for op in OP_NAMES])
+        try:
+            check_tiles(dict(zip(OP_NAMES, layers[-1])))
+        except ValueError as exc:
+            raise PolicySchemaError(f"{lp}.decisions", str(exc)) from None
     if sig is not None and sig["num_layers"] != len(layers):
         raise PolicySchemaError("layers", f"has {len(layers)} layers but model_signature.num_layers is "
                                 f"{sig['num_layers']}")

@@ -68,6 +68,9 @@ class OpSpec:
     changed_by_reader: bool = False
     """The op that reads this output changes it in place (softmax masks the scores): a recompute segment that
     starts after it re-runs on a copy, so the stored value stays intact."""
+    tileable: bool = False
+    """One of the MLP's token-wise ops (``linear_fc1``, ``activation``, ``linear_fc2``), which a recompute decision
+    may re-run together in token tiles (:attr:`~megatron_adacc.adacc.policy.policy.Decision.tiles`)."""
     reads: tuple[str, ...] = ()
     """Earlier ops, besides the one right before it, whose outputs this op reads in forward (the attention reads
     Q, K and V past the score ops, a residual add reads the residual stream). A recompute segment holding this op
@@ -81,10 +84,10 @@ _GENERIC = ("int4_symmetric", "stochastic")
 
 
 def _spec(name: str, default: str, *extra: str, recomputable: bool = True, uses_rng: bool = False,
-          changed_by_reader: bool = False, reads: tuple[str, ...] = ()) -> OpSpec:
+          changed_by_reader: bool = False, tileable: bool = False, reads: tuple[str, ...] = ()) -> OpSpec:
     codecs = (default,) + tuple(c for c in extra + _GENERIC if c != default)
     return OpSpec(name=name, default_codec=default, codecs=codecs, recomputable=recomputable, uses_rng=uses_rng,
-                  changed_by_reader=changed_by_reader, reads=reads)
+                  changed_by_reader=changed_by_reader, tileable=tileable, reads=reads)
 
 
 OPS: tuple[OpSpec, ...] = (
@@ -101,9 +104,9 @@ OPS: tuple[OpSpec, ...] = (
     _spec("linear_proj", "int4_outlier"),
     _spec("self_attn_bda", "int4_outlier", uses_rng=True, reads=("layer_input",)),
     _spec("pre_mlp_layernorm", "int4_outlier"),
-    _spec("linear_fc1", "int4_outlier"),
-    _spec("activation", "int4_outlier"),
-    _spec("linear_fc2", "int4_outlier"),
+    _spec("linear_fc1", "int4_outlier", tileable=True),
+    _spec("activation", "int4_outlier", tileable=True),
+    _spec("linear_fc2", "int4_outlier", tileable=True),
     _spec("mlp_bda", "int4_outlier", uses_rng=True, reads=("self_attn_bda",)),
 )
 
@@ -117,6 +120,13 @@ the names) but ``keep``, which is the keep action rather than a compression. Lis
 and messages list them: the ops' layer-specific codecs first, then the others in registry order."""
 
 assert {c for op in OPS for c in op.codecs} <= set(CODECS), "an op names a codec the codec registry lacks"
+
+TILED_OPS: tuple[str, ...] = tuple(op.name for op in OPS if op.tileable)
+"""The MLP's token-wise ops, which a tiled recompute re-runs as one block
+(:mod:`megatron_adacc.adacc.runtime.tiled`)."""
+MAX_TILES = 64
+"""The most token tiles a tiled recompute cuts the MLP's re-run into: past a few, the tiles' re-materialized
+bytes are smaller than the gradients of the block's input and output, which are held at full size anyway."""
 
 OUTLIER_CODEC = "int4_outlier"
 """The outlier-separated codec whose compression ratio drifts during training (section 3.4)."""

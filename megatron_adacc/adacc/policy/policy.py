@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, OPS_BY_NAME, Action
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, MAX_TILES, OP_NAMES, OPS, OPS_BY_NAME, TILED_OPS, Action
 
 DEFAULT_CODEC_PARAMS: dict[str, dict[str, Any]] = {
     # Z-score threshold of eq. 1; 3 is the paper's setting.
@@ -24,12 +24,20 @@ class Decision:
     """An :class:`Action`; its value (``"keep"``) is accepted too and turned into the member."""
     codec: str | None = None
     codec_params: Mapping[str, Any] = field(default_factory=dict)
+    tiles: int = 1
+    """For recompute on the MLP's token-wise ops (:data:`~.ops.TILED_OPS`, all three alike): re-run them in this
+    many token tiles, each tile's forward and backward before the next's, inside the block's own backward
+    (:mod:`megatron_adacc.adacc.runtime.tiled`). 1: the ops join the layer's recompute segments like any other."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"unknown action {self.action!r}; expected one of {', '.join(ACTIONS)}")
         # frozen: the normalization has to go around the dataclass's __setattr__
         object.__setattr__(self, "action", Action(self.action))
+        if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or not 1 <= self.tiles <= MAX_TILES:
+            raise ValueError(f"tiles must be a whole number from 1 to {MAX_TILES}, got {self.tiles!r}")
+        if self.tiles > 1 and self.action != Action.RECOMPUTE:
+            raise ValueError(f"tiles={self.tiles} needs action recompute (got {self.action.value!r})")
         if self.action == Action.COMPRESS:
             if self.codec not in CODECS:
                 raise ValueError(f"compress needs a codec, one of {', '.join(CODECS)}; got {self.codec!r}")
@@ -41,8 +49,14 @@ class Decision:
         return Decision(Action.KEEP)
 
     @staticmethod
-    def recompute() -> Decision:
-        return Decision(Action.RECOMPUTE)
+    def recompute(tiles: int = 1) -> Decision:
+        return Decision(Action.RECOMPUTE, tiles=tiles)
+
+    @property
+    def in_segment(self) -> bool:
+        """Whether the op joins the layer's recompute segments (:func:`~.ops.segments`): recomputed, and not in
+        token tiles, whose block re-runs inside its own backward and holds its output as it is."""
+        return self.action == Action.RECOMPUTE and self.tiles == 1
 
     @staticmethod
     def compress(codec: str, **params: Any) -> Decision:
@@ -52,27 +66,37 @@ class Decision:
 
     @property
     def label(self) -> str:
-        """Short human label: ``keep``, ``recompute`` or ``compress:<codec>``."""
-        return f"compress:{self.codec}" if self.action == Action.COMPRESS else self.action.value
+        """Short human label: ``keep``, ``recompute``, ``recompute:tiles=<n>`` or ``compress:<codec>``."""
+        if self.action == Action.COMPRESS:
+            return f"compress:{self.codec}"
+        return f"recompute:tiles={self.tiles}" if self.tiles > 1 else self.action.value
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"action": self.action.value}
         if self.action == Action.COMPRESS:
             out["codec"] = self.codec
             out["codec_params"] = dict(self.codec_params)
+        if self.tiles > 1:
+            out["tiles"] = self.tiles
         return out
 
     def __hash__(self) -> int:  # codec_params is a dict; hash its sorted items
-        return hash((self.action, self.codec, tuple(sorted(self.codec_params.items()))))
+        return hash((self.action, self.codec, tuple(sorted(self.codec_params.items())), self.tiles))
 
 
 def parse_decision(value: str | Decision, op: str) -> Decision:
-    """Turn ``keep`` / ``recompute`` / ``compress`` (the op's default codec) / a codec name into a Decision."""
+    """Turn ``keep`` / ``recompute`` / ``recompute:tiles=<n>`` / ``compress`` (the op's default codec) / a codec
+    name into a Decision."""
     if isinstance(value, Decision):
         return value
     spec = OPS_BY_NAME[op]
     if value in (Action.KEEP, Action.RECOMPUTE):
         return Decision(value)
+    if value.startswith("recompute:tiles="):
+        count = value.split("=", 1)[1]
+        if not count.isdigit():
+            raise ValueError(f"cannot read {value!r} as a decision for op {op!r}: tiles must be a whole number")
+        return Decision.recompute(int(count))
     if value == Action.COMPRESS:
         return Decision.compress(spec.default_codec)
     if value.startswith("compress:"):
@@ -81,8 +105,8 @@ def parse_decision(value: str | Decision, op: str) -> Decision:
         if value not in spec.codecs:
             raise ValueError(f"codec {value!r} does not apply to op {op!r}; it accepts {', '.join(spec.codecs)}")
         return Decision.compress(value)
-    raise ValueError(f"cannot read {value!r} as a decision for op {op!r}: use keep, recompute, compress, "
-                     f"or a codec name ({', '.join(CODECS)})")
+    raise ValueError(f"cannot read {value!r} as a decision for op {op!r}: use keep, recompute, "
+                     f"recompute:tiles=<n>, compress, or a codec name ({', '.join(CODECS)})")
 
 
 @dataclass
@@ -121,6 +145,10 @@ class Policy:
                 if d.action == Action.COMPRESS and d.codec not in op.codecs:
                     raise ValueError(f"layer {index}: codec {d.codec!r} does not apply to op {op.name!r}; "
                                      f"it accepts {', '.join(op.codecs)}")
+                if d.tiles > 1 and not op.tileable:
+                    raise ValueError(f"layer {index}: op {op.name!r} cannot be re-run in tiles; only the MLP's "
+                                     f"{', '.join(TILED_OPS)} can")
+            check_tiles(dict(zip(OP_NAMES, layer)), f"layer {index}: ")
 
     # ----------------------------------------------------------------------------------------- access
     @property
@@ -258,6 +286,17 @@ class Policy:
         if key is None:
             raise ValueError(f"unknown policy preset {name!r}; presets are {', '.join(PRESET_NAMES)}")
         return {"keep": cls.all_keep, "recompute": cls.all_recompute, "quantize-all": cls.quantize_all}[key](num_layers)
+
+
+def check_tiles(decisions: Mapping[str, Decision], where: str = "") -> int:
+    """The token tiles a layer's ``decisions`` re-run its MLP in (1: none); raises a ``ValueError`` unless the
+    MLP's token-wise ops are all recomputed in the same number of tiles, or none of them is tiled."""
+    tiles = {getattr(decisions[name], "tiles", 1) for name in TILED_OPS}
+    if len(tiles) > 1 or (max(tiles) > 1 and any(decisions[name].action != Action.RECOMPUTE for name in TILED_OPS)):
+        shown = ", ".join(f"{name} {decisions[name].label}" for name in TILED_OPS)
+        raise ValueError(f"{where}a tiled MLP re-run needs {', '.join(TILED_OPS)} all recomputed in the same "
+                         f"number of tiles (got {shown})")
+    return tiles.pop()
 
 
 PRESET_NAMES: tuple[str, ...] = ("keep", "recompute", "quantize-all")

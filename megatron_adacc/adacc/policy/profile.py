@@ -216,6 +216,15 @@ def op_output_elements(sig: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def mlp_weight_bytes(sig: dict[str, Any]) -> int:
+    """Bytes of one layer's MLP weights on one tensor-parallel rank (``linear_fc1``'s, twice as wide for a gated
+    unit, and ``linear_fc2``'s; biases are left out), in the model's dtype: the size of their gradients."""
+    e = {"float32": 4, "float16": 2, "bfloat16": 2}.get(sig.get("dtype", "float32"), 4)
+    h, f = sig["hidden_size"], sig["ffn_hidden_size"]
+    fc1 = h * f * (2 if sig.get("gated_linear_unit") else 1)
+    return e * (fc1 + f * h) // max(int(sig.get("tensor_model_parallel_size") or 1), 1)
+
+
 def analytic_profile(sig: dict[str, Any], *, device: str = "analytic", flops_per_s: float = 5e10,
                      bytes_per_s: float = 5e9, codec_bytes_per_s: float = 2e9, outlier_fraction: float = 0.01,
                      group_size: int = 128, static_bytes: int | None = None) -> LayerProfile:

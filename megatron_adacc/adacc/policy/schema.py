@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from megatron_adacc.adacc.policy.io import FORMAT, SCHEMA_PATH, SCHEMA_VERSION
-from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, OP_NAMES, OPS, Action
+from megatron_adacc.adacc.policy.ops import ACTIONS, CODECS, MAX_TILES, OP_NAMES, OPS, TILED_OPS, Action
 from megatron_adacc.adacc.policy.signature import NULLABLE_FIELDS, SIGNATURE_FIELDS, SIGNATURE_TYPES
 
 
@@ -26,6 +26,9 @@ def json_schema() -> dict[str, Any]:
             "action": {"enum": [a.value for a in ACTIONS]},
             "codec": {"enum": list(CODECS)},
             "codec_params": {"type": "object", "additionalProperties": {"type": ["number", "string", "boolean"]}},
+            "tiles": {"type": "integer", "minimum": 1, "maximum": MAX_TILES,
+                      "description": "recompute only, on " + ", ".join(TILED_OPS) + " (all three alike): re-run "
+                                     "the MLP in this many token tiles"},
         },
         "allOf": [
             {"if": {"properties": {"action": {"const": Action.COMPRESS.value}}}, "then": {"required": ["codec"]},
@@ -35,6 +38,8 @@ def json_schema() -> dict[str, Any]:
             *({"if": {"properties": {"op": {"const": op.name}}},
                "then": {"properties": {"action": {"enum": [Action.KEEP.value, Action.COMPRESS.value]}}}}
               for op in OPS if not op.recomputable),
+            {"if": {"required": ["tiles"], "properties": {"tiles": {"minimum": 2}}},
+             "then": {"properties": {"action": {"const": Action.RECOMPUTE.value}, "op": {"enum": list(TILED_OPS)}}}},
         ],
     }
     return {

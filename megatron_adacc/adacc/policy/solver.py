@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_adacc.adacc.policy.cost_model import Problem, build_problem
-from megatron_adacc.adacc.policy.ops import CODEC_FAMILIES, OUTLIER_CODEC, Action
-from megatron_adacc.adacc.policy.policy import Policy
-from megatron_adacc.adacc.policy.profile import LayerProfile
+from megatron_adacc.adacc.policy.cost_model import Problem, build_problem, tile_mlp, tiled_block_time
+from megatron_adacc.adacc.policy.ops import CODEC_FAMILIES, OP_NAMES, OUTLIER_CODEC, Action
+from megatron_adacc.adacc.policy.policy import Policy, check_tiles
+from megatron_adacc.adacc.policy.profile import LayerProfile, mlp_weight_bytes
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, SolveResult, solve
 
 
@@ -33,6 +33,11 @@ class SolveOptions:
     """Fraction of the budget the solver leaves free for what the cost model does not see (allocator
     fragmentation, run-to-run variation of the peak). Measured peaks on the CPU came within 0.6% of the
     model's prediction (benchmarks/README.md), hence 1%."""
+    mlp_tiles: int = 8
+    """Besides the policies that re-run the MLP whole, the solver weighs those that re-run it in this many token
+    tiles (:func:`~.cost_model.tile_mlp`) and takes them where they are faster or the only ones that fit. 1: no
+    tiling (every gradient then equals stock Megatron's bit for bit under a lossless policy; tiling sums the MLP's
+    weight gradients over the tiles, equal up to float rounding)."""
 
     @classmethod
     def from_args(cls, args: Any) -> SolveOptions:
@@ -43,15 +48,17 @@ class SolveOptions:
                    outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0,
                    outlier_separation=not getattr(args, "adacc_no_outlier_separation", False),
                    process_baseline_bytes=float(getattr(args, "adacc_process_baseline_bytes", 0.0) or 0.0),
-                   headroom=float(getattr(args, "adacc_memory_headroom", 0.01)))
+                   headroom=float(getattr(args, "adacc_memory_headroom", 0.01)),
+                   mlp_tiles=int(getattr(args, "adacc_mlp_tiles", 8) or 1))
 
 
 def make_problem(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions,
-                 *, num_layers: int | None = None) -> Problem:
+                 *, num_layers: int | None = None, tiles: int = 1) -> Problem:
+    """The MILP's problem under ``options``; with ``tiles`` > 1, the MLP re-run in that many token tiles."""
     if options.codec_family not in CODEC_FAMILIES:
         raise ValueError(f"codec family must be one of {', '.join(CODEC_FAMILIES)}, got {options.codec_family!r}")
     lossless = options.codec_family == "none"
-    return build_problem(
+    problem = build_problem(
         profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
         static_bytes=profile.static_bytes + options.process_baseline_bytes,
         only_codec="stochastic" if options.codec_family == "gact" else None,
@@ -59,6 +66,7 @@ def make_problem(profile: LayerProfile, budget_bytes: float | None, options: Sol
         codec_substitutes=None if options.outlier_separation else {OUTLIER_CODEC: "int4_symmetric"},
         allow=(lambda op, decision: decision.action != Action.COMPRESS) if lossless else None,
     )
+    return tile_mlp(problem, tiles, mlp_weight_bytes(profile.signature))
 
 
 def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions | None = None, *,
@@ -73,15 +81,32 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     if not 0.0 <= options.headroom < 1.0:
         raise ValueError(f"memory headroom must be a fraction in [0, 1), got {options.headroom}")
     usable = budget_bytes * (1.0 - options.headroom) if budget_bytes is not None else None
-    problem = make_problem(profile, usable, options, num_layers=num_layers)
-    try:
-        result = solve(problem, chain_aware=options.chain_aware, heterogeneous=options.heterogeneous)
-    except InfeasibleBudgetError as e:
+    solved: list[tuple[Problem, SolveResult]] = []  # the untiled solution first, when there is one
+    failed: list[InfeasibleBudgetError] = []
+    # lossless (--adacc-codec none) promises stock Megatron's gradients bit for bit, which tiles do not keep
+    tiling = max(int(options.mlp_tiles), 1) if options.codec_family != "none" else 1
+    for tiles in dict.fromkeys((1, tiling)):
+        problem = make_problem(profile, usable, options, num_layers=num_layers, tiles=tiles)
+        try:
+            solved.append((problem, solve(problem, chain_aware=options.chain_aware,
+                                          heterogeneous=options.heterogeneous)))
+        except InfeasibleBudgetError as e:
+            failed.append(e)
+            continue
+        # every layer of a tiled policy re-runs its MLP: no faster than an untiled one that costs no more
+        if tiles == 1 and solved[0][1].predicted_time_s <= problem.num_layers * tiled_block_time(problem):
+            break
+    if not solved:
+        e = min(failed, key=lambda e: e.min_feasible_bytes)
         if not options.headroom:
-            raise
+            raise e
         need = int(math.ceil(e.min_feasible_bytes / (1.0 - options.headroom)))
         raise InfeasibleBudgetError(budget_bytes, need, f" (with {options.headroom:.0%} headroom, "
                                     "--adacc-memory-headroom)") from None
+    # tiles only where they buy time or fit where nothing untiled does: untiled, gradients stay bit-exact
+    problem, result = min(solved, key=lambda pair: pair[1].predicted_time_s)
+    if result.predicted_time_s >= solved[0][1].predicted_time_s:
+        problem, result = solved[0]
     sig = dict(signature if signature is not None else profile.signature)
     if num_layers is not None:
         sig["num_layers"] = int(num_layers)
@@ -142,13 +167,18 @@ def op_costs(profile: LayerProfile, policy: Policy) -> dict[str, dict[str, Any]]
 
 def evaluate_policy(profile: LayerProfile, policy: Policy, *, chain_aware: bool = True) -> dict[str, float]:
     """Predicted memory and time of any policy (a preset, a peer) under a profile's cost model."""
-    problem = build_problem(profile, None, codecs="all", num_layers=policy.num_layers)
+    tiles = {check_tiles(dict(zip(OP_NAMES, layer))) for layer in policy.layers}
+    if len(tiles) > 1:
+        raise ValueError("the cost model evaluates policies whose layers re-run their MLP alike; this one tiles "
+                         f"some layers' and not others' ({sorted(tiles)} tiles)")
+    problem = tile_mlp(build_problem(profile, None, codecs="all", num_layers=policy.num_layers), tiles.pop(),
+                       mlp_weight_bytes(profile.signature))
     picks = []
     for layer in policy.layers:
         row = []
         for i, d in enumerate(layer):
-            idx = next((k for k, c in enumerate(problem.choices[i])
-                        if c.decision.action == d.action and c.decision.codec == d.codec), None)
+            idx = next((k for k, c in enumerate(problem.choices[i]) if c.decision.action == d.action
+                        and c.decision.codec == d.codec and c.decision.tiles == d.tiles), None)
             if idx is None:
                 raise ValueError(f"op {problem.op_names[i]!r}: {d.label} was not profiled; re-run adacc profile")
             row.append(idx)

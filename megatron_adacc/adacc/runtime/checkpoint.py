@@ -46,7 +46,7 @@ import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME, OUTLIER_CODEC, Action, segments
-from megatron_adacc.adacc.policy.policy import Decision
+from megatron_adacc.adacc.policy.policy import Decision, check_tiles
 from megatron_adacc.adacc.runtime import accounting, stages
 from megatron_adacc.adacc.runtime.capacity import CAPACITIES
 from megatron_adacc.adacc.runtime.ops import (
@@ -458,9 +458,12 @@ class _Frame(SavedTensorStore):
         self.producer: dict[int, tuple[str, str]] = {}
         self.packed_handles: dict[int, _Compressed] = {}     # payloads a saved variable references
         self.shared: dict[int, int] = {}                      # layer inputs saved as they are (storage -> bytes)
+        # A tiled MLP re-runs inside its own backward (.tiled): its ops join no segment, and an output of it
+        # that a later segment stores is held as it is.
+        self.actions = {name: Action.KEEP if getattr(d, "tiles", 1) > 1 else d.action for name, d in decisions.items()}
         self.segment_of: dict[str, _Segment] = {}
         self.segments: list[_Segment] = []
-        for run in segments(decisions[op.name].action == Action.RECOMPUTE for op in ops):
+        for run in segments(self.actions[op.name] == Action.RECOMPUTE for op in ops):
             seg = _Segment([ops[i] for i in run], self.flow.rng_ops)
             self.segments.append(seg)
             for op in seg.ops:
@@ -503,7 +506,7 @@ class _Frame(SavedTensorStore):
         return handle
 
     def store(self, t: torch.Tensor, op: str, output_name: str | None, index: int, from_pack: bool) -> Any:
-        action = self.decisions[op].action
+        action = self.actions[op]
         if action == Action.KEEP:
             return self._keep(t, op, from_pack)
         if action == Action.COMPRESS:
@@ -610,7 +613,7 @@ def checkpointed_layer_forward(
     missing = [name for name in OP_NAMES if name not in decisions]
     if missing:
         raise ValueError(f"decisions for ops {missing} are missing; give one Decision per op of {OP_NAMES}")
-    ops = layer_ops(layer)
+    ops = layer_ops(layer, check_tiles(decisions))
     env = initial_env(hidden_states, attention_mask, rotary_pos_emb)
     if not torch.is_grad_enabled():
         return run_ops(ops, env)["output"]

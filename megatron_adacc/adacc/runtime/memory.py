@@ -295,8 +295,9 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
             mem.per_op[name] = s.saved_bytes
         elif d.action == Action.COMPRESS:
             mem.per_op[name] = s.compress_cost(codec_key(d.codec, d.codec_params))
-    segs = [[OP_NAMES[i] for i in run]
-            for run in segments(decisions[name].action == Action.RECOMPUTE for name in OP_NAMES)]
+    # a tiled MLP joins no segment, and a later segment holds its output as it is (runtime.tiled)
+    held = {name: Action.KEEP if getattr(d, "tiles", 1) > 1 else d.action for name, d in decisions.items()}
+    segs = [[OP_NAMES[i] for i in run] for run in segments(held[name] == Action.RECOMPUTE for name in OP_NAMES)]
     seg_of = {name: i for i, seg in enumerate(segs) for name in seg}
     flow = DATAFLOWS[sizes.kind]
     producers = flow.producer
@@ -318,7 +319,7 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
             s = sizes.ops[producer]
             if value not in s.stash_keep_bytes:  # a Parameter (bias) or None
                 continue
-            if d.action == Action.KEEP:
+            if held[producer] == Action.KEEP:
                 mem.stash_bytes += s.stash_keep_bytes[value]
             elif d.action == Action.COMPRESS:
                 mem.stash_bytes += s.stash_compressed_bytes[value][codec_key(d.codec, d.codec_params)]

@@ -69,6 +69,7 @@ in place inside ``softmax``; re-running ``softmax`` on an already masked tensor 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME
+from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME, TILED_OPS
 from megatron_adacc.adacc.policy.ops import RNG_OPS as RNG_OPS_BY_KIND
+from megatron_adacc.adacc.runtime.tiled import tiled_mlp
 from megatron_adacc.models import SDPA, UNFUSED
 from megatron_adacc.models.attention import attention_kind
 
@@ -401,6 +403,17 @@ def dataflow(layer: torch.nn.Module) -> Dataflow:
     return DATAFLOWS[kind]
 
 
-def layer_ops(layer: torch.nn.Module) -> list[LayerOp]:
-    """The 14 ops of ``layer`` in forward order (see the module docstring for their dataflow)."""
-    return [LayerOp(name, inputs, outputs, fn, layer) for name, inputs, outputs, fn in dataflow(layer).table]
+def layer_ops(layer: torch.nn.Module, tiles: int = 1) -> list[LayerOp]:
+    """The 14 ops of ``layer`` in forward order (see the module docstring for their dataflow).
+
+    With ``tiles`` > 1 the MLP's token-wise ops run as one block re-run in that many token tiles in backward
+    (:mod:`.tiled`): ``linear_fc1`` and ``activation`` read and write nothing, and ``linear_fc2`` reads ``ln2``
+    and runs the block."""
+    table = dataflow(layer).table
+    if tiles > 1:
+        rows = {row[0]: row for row in table}
+        block = functools.partial(tiled_mlp, tiles=tiles, ops=tuple(rows[name][3] for name in TILED_OPS))
+        tiled = {TILED_OPS[0]: (TILED_OPS[0], (), (), _nothing), TILED_OPS[1]: (TILED_OPS[1], (), (), _nothing),
+                 TILED_OPS[2]: (TILED_OPS[2], rows[TILED_OPS[0]][1], rows[TILED_OPS[2]][2], block)}
+        table = tuple(tiled.get(row[0], row) for row in table)
+    return [LayerOp(name, inputs, outputs, fn, layer) for name, inputs, outputs, fn in table]
