@@ -77,7 +77,7 @@ def measured(sample, decisions) -> dict[str, int]:
         del x
         out.backward(torch.ones_like(out))
         del out
-    return {s.label[3:]: s.peak_bytes for s in trace.stages if s.label.startswith("L0/")}
+    return {s.label: s.peak_bytes for s in trace.stages if s.label[:3] in ("L0/", "F0/")}
 
 
 def layer_input(leaf: torch.Tensor) -> torch.Tensor:
@@ -85,11 +85,13 @@ def layer_input(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.clone()
 
 
-def predicted(problem, decisions, signature) -> list[float]:
+def predicted(problem, decisions, signature) -> tuple[list[float], float]:
+    """The bound of each backward stage, and of the forward: what the layer stores beside its largest op forward
+    (the cost model's forward term, which the last layer of a model has beside the others' stored bytes)."""
     problem = tile_mlp(problem, check_tiles(decisions), mlp_weight_bytes(signature))
     picks = [next(k for k, c in enumerate(cs) if c.decision == decisions[name])
              for name, cs in zip(OP_NAMES, problem.choices)]
-    return problem.stage_bytes(picks, stash=True)
+    return problem.stage_bytes(picks, stash=True), problem.layer_memory(picks, stash=True) + problem.forward_peak()
 
 
 def main() -> None:
@@ -106,8 +108,12 @@ def main() -> None:
         measured(sample, decisions)  # warm-up: the first run's first-touch allocations are not the layer's
         # the least of three runs per stage: what the allocator's small blocks add varies from run to run
         runs = [measured(sample, decisions) for _ in range(3)]
-        out[name] = {"measured": {op: min(run[op] for run in runs) for op in runs[0]},
-                     "predicted": predicted(problem, decisions, profile.signature)}
+        least = {label: min(run[label] for run in runs) for label in runs[0]}
+        stages, forward = predicted(problem, decisions, profile.signature)
+        out[name] = {"measured": {label[3:]: v for label, v in least.items() if label.startswith("L0/")},
+                     "predicted": stages,
+                     "forward": max(v for label, v in least.items() if label.startswith("F0/")),
+                     "forward_bound": forward}
     print(json.dumps(out), flush=True)
 
 

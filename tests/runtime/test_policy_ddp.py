@@ -61,12 +61,11 @@ def test_two_ranks_compressing_policy(stock, tmp_path):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_two_ranks_with_the_mlp_re_run_in_tiles(stock, tmp_path, overlap):
     """A tiled MLP hands its weight gradients to Megatron DDP's hooks once per backward, also with the gradient
-    reduction overlapped (whose buckets count each parameter's hook): ranks stay identical, the first loss is
-    exact (the forward is untiled), the trajectory matches to float rounding."""
+    reduction overlapped (whose buckets count each parameter's hook): ranks stay identical, the trajectory
+    matches to float rounding."""
     chosen = decisions(recompute=("input_layernorm", "linear_fc1", "activation", "linear_fc2"))
     chosen.update({name: Decision.recompute(4) for name in ("linear_fc1", "activation", "linear_fc2")})
     path = _policy_file(tmp_path, [chosen] * 2, "ddp-tiled")
     tiled = _run(["--adacc-policy", path] + (["--overlap-grad-reduce"] if overlap else []))
     assert tiled["world"] == 2 and tiled["identical"]
-    assert tiled["losses"][0] == stock["losses"][0]
     assert all(abs(a - b) <= 1e-4 * b for a, b in zip(tiled["losses"], stock["losses"]))

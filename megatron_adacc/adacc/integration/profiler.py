@@ -310,6 +310,28 @@ def backward_transient(op: Any, env: dict, device: torch.device, repeats: int) -
     return int(statistics.median(found))
 
 
+def forward_transient(op: Any, env: dict, device: torch.device, repeats: int) -> int | None:
+    """The bytes ``op``'s forward has live at its peak beyond its inputs: its outputs, what autograd saves of what
+    it makes (a dropout's mask), its temporaries. The median of ``repeats`` measured forwards; None where memory
+    cannot be measured."""
+    from megatron_adacc.adacc.runtime.stages import transient_bytes
+
+    found = []
+    for _ in range(max(1, repeats)):
+        inputs = leaf_copies(op, env)
+
+        def run(inputs: dict = inputs) -> None:
+            with torch.enable_grad():
+                op.run(inputs)  # the outputs and their graph die on return, after the peak was read
+
+        peak = transient_bytes(run, device)
+        if peak is None:
+            return None
+        found.append(peak)
+        del inputs
+    return int(statistics.median(found))
+
+
 def op_profile(op: Any, forward_s: float, env: dict, keys: set, sizes: Any, repeats: int, sync: Sync,
                log: Callable[[str], None]) -> OpProfile:
     """One op's profile: its saved bytes, forward time, codecs (timed), per-codec stash bytes, readers, and the
@@ -460,12 +482,13 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
         log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
             f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
         # last: measuring memory on the CPU sets the allocator to return what is freed, which slows allocation
-        log("profile: memory of each op's backward")
+        log("profile: memory of each op's forward and backward")
         with _fork_rng():
             for op, profiled in zip(ops, op_profiles):
                 measured = backward_transient(op, env, device, repeats)
                 if measured is not None:
                     profiled.grad_bytes = measured
+                profiled.forward_bytes = forward_transient(op, env, device, repeats)
                 bar.update()
     measured = _Measured(sizes, op_profiles, fwd, segments, calibration)
     return charge_static(_layer_profile(args, signature, device, measured, repeats), args, config)

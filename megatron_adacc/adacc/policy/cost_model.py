@@ -133,6 +133,9 @@ class Problem:
     reads: tuple[tuple[int, int], ...] | None = None
     """``(producer, reader)`` op indices where the reader reads the producer's output past the ops between them
     (:func:`~.ops.cross_reads`). Defaults to the transformer layer's."""
+    forward_bytes: list[float] | None = None
+    """Per op, what its forward has live at its peak beyond what it reads (outputs, saved tensors, temporaries).
+    None: the forward is not bounded (profiles without it)."""
 
     def __post_init__(self) -> None:
         if self.op_names is None:
@@ -171,6 +174,28 @@ class Problem:
         # the latest stage reading an op's bytes (-1: none), and the share of them still held at each stage
         self.reach = [max(readers, default=-1) for readers in self.consumers]
         self.held_share = [_held_share(freed, i, n) for i, freed in enumerate(self.freed)]
+        if self.forward_bytes is not None and len(self.forward_bytes) != n:
+            raise ValueError(f"forward_bytes needs one entry per op ({n})")
+        self.forward_peak_bytes = self.forward_peak()
+        self.fixed_transient_bytes = max(self.workspace_bytes, self.forward_peak_bytes)
+        """The policy-independent transient on top of every layer's stored bytes: the workspace at the start of
+        backward, or the last layer's largest op forward (:meth:`forward_peak`), whichever is larger."""
+
+    def forward_peak(self) -> float:
+        """The most a layer's forward holds beyond what the layers store: over its ops, what the op reads and what
+        later ops still read (the outputs before it, whatever the policy: the runtime drops an output after its
+        last reader, and what a policy stores of them it counts again), plus the op's own forward. In the last
+        layer that sits beside every other layer's stored bytes and its own, as the workspace does; it bounds a
+        floor whose backward holds little, and a tiled MLP's forward (:func:`tile_mlp`). 0 without
+        :attr:`forward_bytes`."""
+        if self.forward_bytes is None:
+            return 0.0
+        peak = 0.0
+        for i, own in enumerate(self.forward_bytes):
+            live = self.output_bytes[i - 1] if i else 0.0
+            live += sum(self.output_bytes[p] for p, r in self.reads if p < i - 1 and r >= i)
+            peak = max(peak, live + own)
+        return peak
 
     @property
     def num_ops(self) -> int:
@@ -194,7 +219,7 @@ class Problem:
         front = pareto_front(self, chain_aware=stash)
         best = min(self.uniform_bytes(p) for p in front)
         if heterogeneous:
-            best = min(best, least_mix_bytes(front, self.num_layers, self.workspace_bytes))
+            best = min(best, least_mix_bytes(front, self.num_layers, self.fixed_transient_bytes))
         return int(math.ceil(self.fixed_bytes + best))
 
     def uniform_bytes(self, point: ParetoPoint) -> float:
@@ -203,9 +228,10 @@ class Problem:
         return self.num_layers * point.memory_bytes + self.transient_bytes([point.excess_bytes])
 
     def transient_bytes(self, layer_excesses: Sequence[float]) -> float:
-        """The transient peak on top of every layer's stored bytes: the workspace or the largest backward excess,
-        whichever is larger (they are not live at the same time)."""
-        return max([self.workspace_bytes, *layer_excesses])
+        """The transient peak on top of every layer's stored bytes: the fixed transient (the workspace, or the last
+        layer's largest op forward) or the largest backward excess, whichever is larger (they are not live at the
+        same time)."""
+        return max([self.fixed_transient_bytes, *layer_excesses])
 
     # ---------------------------------------------------------------------------------- backward stages
     def choice_stages(self, i: int, choice: Choice) -> StageBytes:
@@ -362,7 +388,7 @@ class Problem:
             memory, excess = per_policy[key]
             below += memory
             peak = max(peak, below + excess)
-        return below, max(self.workspace_bytes, peak - below)
+        return below, max(self.fixed_transient_bytes, peak - below)
 
     def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
         return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)
@@ -432,6 +458,8 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         grad_bytes=[float(op.grad_bytes) for op in profile.ops],
         output_bytes=(None if any(op.output_bytes is None for op in profile.ops)
                       else [float(op.output_bytes) for op in profile.ops]),
+        forward_bytes=(None if any(op.forward_bytes is None for op in profile.ops)
+                       else [float(op.forward_bytes) for op in profile.ops]),
     )
 
 
@@ -457,6 +485,17 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
     for s in block:
         grad_bytes[s] = 0.0
     grad_bytes[last] = boundary + working / tiles + 2 * param_bytes
+    # forward: the block's input and whole output beside a slice of what its ops make; its FFN-wide values are
+    # never whole, so nothing reads them past the block
+    output_bytes = list(problem.output_bytes)
+    forward_bytes = None if problem.forward_bytes is None else list(problem.forward_bytes)
+    if forward_bytes is not None:
+        largest = max(forward_bytes[i] for i in block)
+        for i in block:
+            forward_bytes[i] = 0.0
+        forward_bytes[last] = problem.output_bytes[first - 1] + problem.output_bytes[last] + largest / tiles
+    for i in block[:-1]:
+        output_bytes[i] = 0.0
     keep = [next((c for c in problem.choices[i] if c.decision.action == _KEEP), None) for i in block]
     time_s = tiled_block_time(problem)
     choices = list(problem.choices)
@@ -470,7 +509,8 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
             out[last if s in block else s] = out.get(last if s in block else s, 0.0) + nbytes
         return out
 
-    return replace(problem, choices=choices, grad_bytes=grad_bytes,
+    return replace(problem, choices=choices, grad_bytes=grad_bytes, output_bytes=output_bytes,
+                   forward_bytes=forward_bytes,
                    consumers=[moved(c) if i not in block else {} for i, c in enumerate(problem.consumers)],
                    freed=[moved(f) if i not in block else {} for i, f in enumerate(problem.freed)])
 

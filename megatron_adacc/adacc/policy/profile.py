@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 """The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
 them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
 mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
@@ -69,6 +69,9 @@ class OpProfile:
     output_bytes: int | None = None
     """The op's outputs at full size (what a recompute segment starting after it materializes again when the op
     is compressed). None: its saved bytes."""
+    forward_bytes: int | None = None
+    """What the op's forward has live at its peak beyond what it reads: its outputs, what it saves and its
+    temporaries (a dropout's mask beside its output). None: not measured (the cost model then bounds no forward)."""
 
     def crate(self, codec: str) -> float:
         """CRate of ``codec`` on this op (compressed / original bytes)."""
@@ -83,7 +86,8 @@ class OpProfile:
                 "consumers": None if self.consumers is None else {k: int(v) for k, v in self.consumers.items()},
                 "freed": None if self.freed is None else {k: int(v) for k, v in self.freed.items()},
                 "grad_bytes": int(self.grad_bytes),
-                "output_bytes": None if self.output_bytes is None else int(self.output_bytes)}
+                "output_bytes": None if self.output_bytes is None else int(self.output_bytes),
+                "forward_bytes": None if self.forward_bytes is None else int(self.forward_bytes)}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> OpProfile:
@@ -95,7 +99,8 @@ class OpProfile:
                    {k: CodecProfile.from_json(v) for k, v in obj.get("codecs", {}).items()},
                    {k: int(v) for k, v in obj.get("stash_bytes", {}).items()},
                    by_op("consumers"), int(obj.get("grad_bytes", 0)), by_op("freed"),
-                   None if obj.get("output_bytes") is None else int(obj["output_bytes"]))
+                   None if obj.get("output_bytes") is None else int(obj["output_bytes"]),
+                   None if obj.get("forward_bytes") is None else int(obj["forward_bytes"]))
 
 
 @dataclass

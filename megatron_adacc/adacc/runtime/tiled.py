@@ -6,10 +6,13 @@ hidden size in a GPT MLP) and their gradients, all at once. The MLP is token-wis
 recompute decision with ``tiles=T`` on its three ops (:data:`~megatron_adacc.adacc.policy.ops.TILED_OPS`) runs
 them as one autograd node (:class:`TiledMLP`) that
 
-* in forward runs the three ops over every token at once without a graph (the values of the stock forward,
-  bit for bit) and saves only its input, ``pre_mlp_layernorm``'s output, which is stored as that op decides;
-* in backward re-runs them on T slices of the tokens in turn, each slice's forward and backward before the
-  next's, so the re-materialized values and their gradients are 1/T of the untiled re-run's.
+* in forward runs the three ops on T slices of the tokens in turn without a graph, and saves only its input,
+  ``pre_mlp_layernorm``'s output, which is stored as that op decides;
+* in backward re-runs them slice by slice, each slice's forward and backward before the next's,
+
+so what the MLP materializes at once, its FFN-wide intermediate values (and in backward their gradients), is
+1/T of the untiled layer's, in the forward as in the backward: at the floor, where every layer stores little,
+the last layer's forward would otherwise be the run's peak.
 
 It is what Liger-Kernel's ``TiledMLP`` and the Mini-Sequence Transformer do; here it is a choice of the policy,
 beside keeping, compressing and recomputing. The block joins no recompute segment (:attr:`Decision.in_segment`):
@@ -17,9 +20,9 @@ it re-runs inside its own backward, and an op output of it a later segment store
 
 Gradients: the input's slice by slice; each parameter's summed over the slices and handed to autograd once, so
 its accumulation hook (Megatron DDP's, which may count a parameter only once per backward) runs once, as with
-the untiled layer. That sum costs one more weight-sized gradient per MLP parameter while the block runs. The
-loss is the untiled run's bit for bit, the gradients up to float rounding: the weight gradients add the slices'
-partial sums in another order, and a thin slice's matrix products may take another kernel path.
+the untiled layer. That sum costs one more weight-sized gradient per MLP parameter while the block runs. Values
+and gradients equal the untiled layer's up to float rounding: a slice's matrix products may take another kernel
+path than the whole tensor's, and the weight gradients add the slices' partial sums in another order.
 
 The slices cut the first (sequence) dimension of ``[s, b, h]``, so each is contiguous; under sequence
 parallelism that is the local shard, which ``linear_fc1`` gathers and ``linear_fc2`` scatters slice by slice.
@@ -43,7 +46,13 @@ class TiledMLP(torch.autograd.Function):
                 *params: torch.nn.Parameter) -> torch.Tensor:
         ctx.run, ctx.tiles, ctx.params = run, tiles, params
         ctx.save_for_backward(x)
-        return run(x)  # a Function's forward runs without a graph
+        out = None
+        for rows in tile_slices(x.size(0), tiles):  # a Function's forward runs without a graph
+            piece = run(x[rows])
+            if out is None:
+                out = piece.new_empty((x.size(0), *piece.shape[1:]))
+            out[rows] = piece
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:

@@ -93,13 +93,15 @@ def check_budget(problem: Problem, *, stash: bool = False, heterogeneous: bool =
 
 def add_memory_bounds(prob: pulp.LpProblem, problem: Problem, room: float, stored: pulp.LpAffineExpression,
                       stages: list[pulp.LpAffineExpression]) -> None:
-    """The memory bound of one policy used by every layer, linear (:mod:`..cost_model`): at the start of backward
-    every layer holds what it stored beside the workspace, and at each backward stage s of the layer that runs
+    """The memory bound of one policy used by every layer, linear (:mod:`..cost_model`): every layer holds what it
+    stored beside the fixed transient (the workspace at the start of backward, or the last layer's largest op
+    forward), and at each backward stage s of the layer that runs
     its backward first the other layers hold what they stored. ``stored`` is one layer's stored bytes and
     ``stages[s]`` its bytes at stage s but the gradients, both in units of :func:`memory_unit`."""
     unit = memory_unit(room)
     others = problem.num_layers - 1
-    prob += problem.num_layers * stored + problem.workspace_bytes / unit <= room / unit, "memory_start_of_backward"
+    prob += (problem.num_layers * stored + problem.fixed_transient_bytes / unit <= room / unit,
+             "memory_start_of_backward")
     for s, live in enumerate(stages):
         prob += others * stored + live + problem.grad_bytes[s] / unit <= room / unit, f"memory_stage_{s}"
 
