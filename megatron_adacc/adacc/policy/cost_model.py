@@ -471,9 +471,10 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
     the block's input (what ``pre_mlp_layernorm`` holds) is read there, not at ``linear_fc1``'s stage. What it holds
     there, beside the stage's other bytes: the gradients of its output and of its input at full size, the untiled
     re-run's largest stage (its values and gradients) over ``tiles``, and its weights' gradients twice (``param_bytes``
-    each): their sum over the tiles and the tile's own, which autograd hands back together at the tile's end. It
-    stores nothing; an op output of it that a later segment stores is held as kept.
-    Its time is the untiled re-run's (the same arithmetic, in ``tiles`` calls)."""
+    each): their sum over the tiles and the tile's own, which autograd hands back together at the tile's end. Its
+    forward holds its input and whole output beside the largest of its ops' forwards over ``tiles``. It stores
+    nothing; an op output of it that a later segment stores is held as kept. Its time is the untiled re-run's
+    (the same arithmetic, in ``tiles`` calls)."""
     if tiles < 2:
         return problem
     first, *inner, last = [problem.op_names.index(name) for name in TILED_OPS]
@@ -485,8 +486,7 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
     for s in block:
         grad_bytes[s] = 0.0
     grad_bytes[last] = boundary + working / tiles + 2 * param_bytes
-    # forward: the block's input and whole output beside a slice of what its ops make; its FFN-wide values are
-    # never whole, so nothing reads them past the block
+    # its FFN-wide values are never whole: nothing holds them past the block
     output_bytes = list(problem.output_bytes)
     forward_bytes = None if problem.forward_bytes is None else list(problem.forward_bytes)
     if forward_bytes is not None:
