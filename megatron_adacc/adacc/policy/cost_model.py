@@ -93,9 +93,9 @@ class Choice:
 
     @property
     def is_recompute(self) -> bool:
-        """Whether the op joins a recompute segment: recomputed, and not in token tiles (a tiled MLP re-runs
-        inside its own backward, :func:`tile_mlp`)."""
-        return self.decision.action == _RECOMPUTE and self.decision.tiles == 1
+        """Whether the op joins a recompute segment (``Decision.in_segment``: a tiled MLP re-runs inside its
+        own backward, :func:`tile_mlp`)."""
+        return self.decision.in_segment
 
 
 @dataclass
@@ -176,8 +176,7 @@ class Problem:
         self.held_share = [_held_share(freed, i, n) for i, freed in enumerate(self.freed)]
         if self.forward_bytes is not None and len(self.forward_bytes) != n:
             raise ValueError(f"forward_bytes needs one entry per op ({n})")
-        self.forward_peak_bytes = self.forward_peak()
-        self.fixed_transient_bytes = max(self.workspace_bytes, self.forward_peak_bytes)
+        self.fixed_transient_bytes = max(self.workspace_bytes, self.forward_peak())
         """The policy-independent transient on top of every layer's stored bytes: the workspace at the start of
         backward, or the last layer's largest op forward (:meth:`forward_peak`), whichever is larger."""
 

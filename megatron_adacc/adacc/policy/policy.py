@@ -38,6 +38,9 @@ class Decision:
             raise ValueError(f"tiles must be a whole number from 1 to {MAX_TILES}, got {self.tiles!r}")
         if self.tiles > 1 and self.action != Action.RECOMPUTE:
             raise ValueError(f"tiles={self.tiles} needs action recompute (got {self.action.value!r})")
+        # whether the op joins the layer's recompute segments (held_action): read in the inner loops of the Pareto
+        # DP and the MILP graph (cost_model.Choice.is_recompute), so set once
+        object.__setattr__(self, "in_segment", held_action(self) == Action.RECOMPUTE)
         if self.action == Action.COMPRESS:
             if self.codec not in CODECS:
                 raise ValueError(f"compress needs a codec, one of {', '.join(CODECS)}; got {self.codec!r}")
@@ -51,12 +54,6 @@ class Decision:
     @staticmethod
     def recompute(tiles: int = 1) -> Decision:
         return Decision(Action.RECOMPUTE, tiles=tiles)
-
-    @property
-    def in_segment(self) -> bool:
-        """Whether the op joins the layer's recompute segments (:func:`~.ops.segments`): recomputed, and not in
-        token tiles, whose block re-runs inside its own backward and holds its output as it is."""
-        return self.action == Action.RECOMPUTE and self.tiles == 1
 
     @staticmethod
     def compress(codec: str, **params: Any) -> Decision:
@@ -286,6 +283,14 @@ class Policy:
         if key is None:
             raise ValueError(f"unknown policy preset {name!r}; presets are {', '.join(PRESET_NAMES)}")
         return {"keep": cls.all_keep, "recompute": cls.all_recompute, "quantize-all": cls.quantize_all}[key](num_layers)
+
+
+def held_action(decision: Decision) -> Action:
+    """How the runtime holds the op's tensors: the decision's action, but keep for a recompute in token tiles,
+    whose block re-runs inside its own backward (:mod:`megatron_adacc.adacc.runtime.tiled`), so that it joins no
+    recompute segment and an output of it a later segment stores is held as it is. (A duck-typed decision without
+    ``tiles`` is untiled.)"""
+    return Action.KEEP if getattr(decision, "tiles", 1) > 1 else decision.action
 
 
 def check_tiles(decisions: Mapping[str, Decision], where: str = "") -> int:

@@ -53,12 +53,11 @@ class SolveOptions:
 
 
 def make_problem(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions,
-                 *, num_layers: int | None = None, tiles: int = 1) -> Problem:
-    """The MILP's problem under ``options``; with ``tiles`` > 1, the MLP re-run in that many token tiles."""
+                 *, num_layers: int | None = None) -> Problem:
     if options.codec_family not in CODEC_FAMILIES:
         raise ValueError(f"codec family must be one of {', '.join(CODEC_FAMILIES)}, got {options.codec_family!r}")
     lossless = options.codec_family == "none"
-    problem = build_problem(
+    return build_problem(
         profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
         static_bytes=profile.static_bytes + options.process_baseline_bytes,
         only_codec="stochastic" if options.codec_family == "gact" else None,
@@ -66,7 +65,6 @@ def make_problem(profile: LayerProfile, budget_bytes: float | None, options: Sol
         codec_substitutes=None if options.outlier_separation else {OUTLIER_CODEC: "int4_symmetric"},
         allow=(lambda op, decision: decision.action != Action.COMPRESS) if lossless else None,
     )
-    return tile_mlp(problem, tiles, mlp_weight_bytes(profile.signature))
 
 
 def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions | None = None, *,
@@ -85,8 +83,9 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     failed: list[InfeasibleBudgetError] = []
     # lossless (--adacc-codec none) promises stock Megatron's gradients bit for bit, which tiles do not keep
     tiling = max(int(options.mlp_tiles), 1) if options.codec_family != "none" else 1
+    untiled = make_problem(profile, usable, options, num_layers=num_layers)
     for tiles in dict.fromkeys((1, tiling)):
-        problem = make_problem(profile, usable, options, num_layers=num_layers, tiles=tiles)
+        problem = tile_mlp(untiled, tiles, mlp_weight_bytes(profile.signature))
         try:
             solved.append((problem, solve(problem, chain_aware=options.chain_aware,
                                           heterogeneous=options.heterogeneous)))

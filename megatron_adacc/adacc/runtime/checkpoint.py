@@ -46,7 +46,7 @@ import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS_BY_NAME, OUTLIER_CODEC, Action, segments
-from megatron_adacc.adacc.policy.policy import Decision, check_tiles
+from megatron_adacc.adacc.policy.policy import Decision, check_tiles, held_action
 from megatron_adacc.adacc.runtime import accounting, stages
 from megatron_adacc.adacc.runtime.capacity import CAPACITIES
 from megatron_adacc.adacc.runtime.ops import (
@@ -458,9 +458,7 @@ class _Frame(SavedTensorStore):
         self.producer: dict[int, tuple[str, str]] = {}
         self.packed_handles: dict[int, _Compressed] = {}     # payloads a saved variable references
         self.shared: dict[int, int] = {}                      # layer inputs saved as they are (storage -> bytes)
-        # A tiled MLP re-runs inside its own backward (.tiled): its ops join no segment, and an output of it
-        # that a later segment stores is held as it is.
-        self.actions = {name: Action.KEEP if getattr(d, "tiles", 1) > 1 else d.action for name, d in decisions.items()}
+        self.actions = {name: held_action(d) for name, d in decisions.items()}
         self.segment_of: dict[str, _Segment] = {}
         self.segments: list[_Segment] = []
         for run in segments(self.actions[op.name] == Action.RECOMPUTE for op in ops):

@@ -29,7 +29,7 @@ import torch
 from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, Action, segments
-from megatron_adacc.adacc.policy.policy import Decision
+from megatron_adacc.adacc.policy.policy import Decision, held_action
 from megatron_adacc.adacc.runtime import accounting
 from megatron_adacc.adacc.runtime.checkpoint import (
     LayerMemory,
@@ -295,8 +295,7 @@ def predict_layer_memory(decisions: Mapping[str, Any], sizes: LayerSizes, layer:
             mem.per_op[name] = s.saved_bytes
         elif d.action == Action.COMPRESS:
             mem.per_op[name] = s.compress_cost(codec_key(d.codec, d.codec_params))
-    # a tiled MLP joins no segment, and a later segment holds its output as it is (runtime.tiled)
-    held = {name: Action.KEEP if getattr(d, "tiles", 1) > 1 else d.action for name, d in decisions.items()}
+    held = {name: held_action(d) for name, d in decisions.items()}
     segs = [[OP_NAMES[i] for i in run] for run in segments(held[name] == Action.RECOMPUTE for name in OP_NAMES)]
     seg_of = {name: i for i, seg in enumerate(segs) for name in seg}
     flow = DATAFLOWS[sizes.kind]

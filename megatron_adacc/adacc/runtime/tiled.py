@@ -15,7 +15,7 @@ so what the MLP materializes at once, its FFN-wide intermediate values (and in b
 the last layer's forward would otherwise be the run's peak.
 
 It is what Liger-Kernel's ``TiledMLP`` and the Mini-Sequence Transformer do; here it is a choice of the policy,
-beside keeping, compressing and recomputing. The block joins no recompute segment (:attr:`Decision.in_segment`):
+beside keeping, compressing and recomputing. The block joins no recompute segment (``policy.held_action``):
 it re-runs inside its own backward, and an op output of it a later segment stores is held as it is.
 
 Gradients: the input's slice by slice; each parameter's summed over the slices and handed to autograd once, so
