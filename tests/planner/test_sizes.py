@@ -80,6 +80,47 @@ def test_planner_sizes_equal_what_the_runtime_measures(config_name) -> None:
                 predicted.per_op, predicted.stash_bytes, predicted.rng_bytes, predicted.input_bytes), label
 
 
+@pytest.mark.parametrize("attention", ["unfused", "sdpa"])
+def test_the_cost_model_stores_what_the_runtime_holds_for_every_policy(attention) -> None:
+    """The solver's stored bytes of a layer policy (``Problem.layer_memory`` with segment stashes, from the profile
+    the planner makes of these sizes) equal the runtime's prediction from the same sizes, for every codec and
+    random policies, the attention's reads past the ops between included (under SDPA, ``context`` reads q, k and
+    v: a segment holding it holds them, stored compressed), and a segment that never re-runs holds nothing."""
+    import random
+
+    from megatron_adacc.adacc.planner.profile import planned_profile
+    from megatron_adacc.adacc.policy.cost_model import build_problem
+    from megatron_adacc.adacc.policy.signature import model_signature
+    from megatron_adacc.adacc.runtime import predict_layer_memory
+    from megatron_adacc.core.gpus import GPUS
+    from megatron_adacc.training import model as model_lib
+    from megatron_adacc.training.args import parse_train_args
+
+    flags = ["--attention-backend", "flash", "--attention-dropout", "0"] if attention == "sdpa" else []
+    args = parse_train_args(["--config", "tiny", "--device", "cpu", "--seq-length", "32", "--micro-batch-size", "2",
+                             *flags])
+    config = model_lib.transformer_config(args, torch.device("cpu"))
+    with memory_cap(6), fake_tensors("cpu"):
+        model = FakeModel(args, config, Layout(), "cpu")
+        sizes = model.sizes(2)[0]
+        profile = planned_profile(model, 2, next(iter(GPUS.values())), model_signature(config, args), timed=False)
+    problem = build_problem(profile, None, codecs="all")
+    rng = random.Random(0)
+    checked = crossing = 0
+    while checked < 1000:
+        picks = [rng.randrange(len(cs)) for cs in problem.choices]
+        if problem.choices[0][picks[0]].is_recompute or problem.splits_a_read(picks):
+            continue
+        decisions = dict(zip(OP_NAMES, problem.decisions(picks)))
+        predicted = predict_layer_memory(decisions, sizes)
+        assert problem.layer_memory(picks, stash=True) == predicted.total_bytes - predicted.input_bytes, (
+            [d.label for d in decisions.values()])
+        checked += 1
+        crossing += decisions["context"].action == "recompute" and decisions["linear_qkv"].action != "recompute" and (
+            any(decisions[n].action != "recompute" for n in ("scores", "softmax", "dropout")))
+    assert crossing > 50  # the read past the ops between was exercised
+
+
 # ------------------------------------------------------------------------------ full size: the formula
 def gpt(hidden: int, heads: int, layers: int, seq: int, micro_batch: int, **overrides):
     """A GPT of the paper's family in bf16 (megatron-core's local layer, unfused attention, dropout on)."""

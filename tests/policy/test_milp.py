@@ -25,21 +25,36 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
     recomputed ops re-materialize their bytes in backward and there is a workspace, so the transient term
     (the larger of the two) is part of every memory bound. With ``runtime``, every layer that does not keep
     everything pays a fixed runtime cost. With ``reads``, some ops read an output from past the op before them
-    (a residual add, the attention's Q/K/V), so policies whose segments would split such a read are left out."""
-    choices = []
+    (a residual add, the attention's Q/K/V), so policies whose segments would split such a read are left out, and
+    a segment holding such a reader holds that output (some of those ops have two outputs, one per reader)."""
     fwd = [rng.uniform(0.1, 5.0) for _ in range(n_ops)]
+    read_pairs = tuple((p, r) for p in range(n_ops) for r in range(p + 2, n_ops) if reads and rng.random() < 0.3)
+    if reads and not read_pairs:
+        read_pairs = ((0, 2),)
+    # an op read past the ops between may have two outputs, one the next op reads and one the later readers read
+    # (the attention's q and k, and v): a segment holding only one of them holds that one only
+    split = [any(p == i for p, _ in read_pairs) and rng.random() < 0.5 for i in range(n_ops)]
+    choices = []
     for i in range(n_ops):
         m = float(rng.randint(1, 100))
         # some outputs are not saved for backward, so holding them for a recompute segment costs extra
-        stash = float(rng.randint(1, 50)) if rng.random() < 0.3 else 0.0
+        stash = tuple(float(rng.randint(1, 50)) if rng.random() < 0.3 else 0.0 for _ in range(1 + split[i]))
         cs = [Choice(Decision.keep(), m, 0.0, 0.0, stash)]
         if i == 0 or rng.random() < 0.8:
             dc = rng.uniform(0.05, 2.0)
             cs.append(Choice(Decision.compress("int4_symmetric"), m * rng.uniform(0.1, 0.5),
-                             dc + rng.uniform(0.05, 2.0), dc, stash * 0.25, m if remat else 0.0))
+                             dc + rng.uniform(0.05, 2.0), dc, tuple(x * 0.25 for x in stash), m if remat else 0.0))
         if i > 0:
             cs.append(Choice(Decision.recompute(), 0.0, fwd[i], remat_bytes=m if remat else 0.0))
         choices.append(cs)
+    outputs = None
+    if reads:
+        outputs = []
+        for i in range(n_ops):
+            size = max(c.remat_bytes for c in choices[i]) or 1.0
+            later = frozenset(r for p, r in read_pairs if p == i)
+            outputs.append(((frozenset({i + 1}), size / 2), (later, size / 2)) if split[i]
+                           else ((frozenset({i + 1}) | later, size),))
     overhead = rng.uniform(0.0, 1.0)
     # a measured segment time that is neither additive nor monotone in the simple way
     seg = {(a, b): sum(fwd[a:b + 1]) * rng.uniform(0.7, 1.3) + overhead
@@ -51,8 +66,7 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
                       rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3),
                       workspace_bytes=float(rng.randint(0, 150)) if remat else 0.0,
                       runtime_overhead_s=rng.uniform(0.0, 3.0) if runtime else 0.0,
-                      reads=tuple((p, r) for p in range(n_ops) for r in range(p + 2, n_ops)
-                                  if reads and rng.random() < 0.3))
+                      reads=read_pairs, outputs=outputs)
     lo = problem.min_feasible_budget(stash=True)
     hi = problem.total_memory([[0] * n_ops] * n_layers, stash=True)
     problem.budget_bytes = lo + frac * max(hi - lo, 0.0)
@@ -98,8 +112,6 @@ def test_no_strategy_splits_a_read_and_each_equals_brute_force_without_them(seed
     rng = random.Random(1200 + seed)
     problem = random_problem(rng, n_ops=rng.randint(4, 7), n_layers=rng.randint(1, 4), frac=rng.random(),
                              per_tensor=seed % 2 == 1, remat=True, reads=True)
-    if not problem.reads:
-        problem.reads = ((0, 2),)
     for strategy, chain in ((paper, False), (chain_aware, True)):
         got = strategy.solve(problem)
         want = brute_force.solve(problem, chain_aware=chain)
@@ -114,7 +126,6 @@ def test_no_strategy_splits_a_read_and_each_equals_brute_force_without_them(seed
 def test_heterogeneous_layers_equal_brute_force_without_split_reads(seed: int) -> None:
     rng = random.Random(1300 + seed)
     problem = random_problem(rng, n_ops=4, n_layers=2, frac=rng.random(), remat=True, reads=True)
-    problem.reads = problem.reads or ((0, 2),)
     want, _ = brute_force_ordered(problem, True)
     if want < float("inf"):
         got = heterogeneous.solve(problem, chain_aware=True, time_limit_s=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_adacc.adacc.policy.profile import LayerProfile, analytic_profile
+from megatron_adacc.adacc.policy.profile import LayerProfile, StashedOutput, analytic_profile
 from megatron_adacc.adacc.policy.profile_db import ENV_VAR, ProfileDB, default_db_path
 from megatron_adacc.adacc.policy.signature import plain_signature
 
@@ -16,7 +16,7 @@ def test_round_trip_and_keying(tmp_path) -> None:
     db = ProfileDB(tmp_path / "p.sqlite")
     a = analytic_profile(SIG, device="cpu:test")
     a.segment_times_s = {(1, 3): 0.25}
-    a.ops[2].stash_bytes = {"keep": 7}
+    a.ops[2].stash = [StashedOutput(("scores", "context"), {"keep": 7}, 9)]
     pid = db.put(a)
     got = db.get("cpu:test", SIG)
     assert got is not None and got[0] == pid

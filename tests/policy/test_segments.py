@@ -88,7 +88,7 @@ def _problem(memory: list[float]) -> Problem:
     op 0, recompute; op 2 draws random numbers. Segment a..b takes ``10 * (b - a + 1) + 1`` seconds."""
     choices = []
     for i, m in enumerate(memory):
-        cs = [Choice(Decision.keep(), m, 0.0, stash_bytes=3.0)]
+        cs = [Choice(Decision.keep(), m, 0.0, stash=(3.0,))]
         if i:
             cs.append(Choice(Decision.recompute(), 0.0, 10.0, remat_bytes=m))
         choices.append(cs)
@@ -128,6 +128,6 @@ def test_cost_model_charges_the_segments_it_is_given() -> None:
         time = sum(c.time_s for c in stored) + sum(
             problem.segment_cost(s.start, s.stop - 1, chosen[s.start - 1]) for s in segs)
         memory = sum(c.memory_bytes for c in chosen) + sum(
-            problem.segment_memory(s.start, s.stop - 1, chosen[s.start - 1]) for s in segs)
+            problem.segment_memory(s.start, s.stop - 1, {s.start - 1: chosen[s.start - 1]}) for s in segs)
         assert problem.layer_time(list(picks), chain_aware=True) == pytest.approx(time)
         assert problem.layer_memory(list(picks), stash=True) == pytest.approx(memory)

@@ -154,9 +154,10 @@ def solve_stages(layer: LayerProfile, ref: dict[str, Any], args: Any, config: An
             continue
         where = (f"pipeline stage {stage} (layers {stage * layers}-{stage * layers + layers - 1}, {held} "
                  f"micro-batch{'es' if held > 1 else ''} in flight): " if len(pipeline) > 1 else "")
+        of = f"of {format_bytes(budget, 2)}" if budget < _UNBOUNDED else "(no budget: a calibration run)"
         log(f"{where}policy solved by {result.strategy} in {result.solve_time_s * 1e3:.0f} ms ({part.summary()}): "
-            f"predicted {format_bytes(result.predicted_memory_bytes, 2, like=budget)} of "
-            f"{format_bytes(budget, 2)}, overhead {result.predicted_time_s / held * 1e3:.1f} ms per micro-batch")
+            f"predicted {format_bytes(result.predicted_memory_bytes, 2, like=budget)} {of}, "
+            f"overhead {result.predicted_time_s / held * 1e3:.1f} ms per micro-batch")
         parts.append(part)
     if refusals:
         need, stage, exc = max(refusals, key=lambda r: r[0])

@@ -25,7 +25,7 @@ import torch
 
 from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, Action
 from megatron_adacc.adacc.policy.policy import DEFAULT_CODEC_PARAMS
-from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile, OpProfile
+from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile, OpProfile, StashedOutput
 from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.core.devices import resolve_device
 from megatron_adacc.core.log import get_logger, progress
@@ -343,10 +343,11 @@ def sized_op_profile(name: str, forward_s: float, codecs: dict[str, CodecProfile
                      ) -> OpProfile:
     """An op's profile from the runtime's sizes of it (``OpSizes``), its forward time and its codecs' profiles
     (measured here; a roofline's in ``adacc plan``): stash bytes per codec, readers, what is freed when."""
-    stash = {"keep": int(sum(sizes.stash_keep_bytes.values()))}
-    for key in keys:
-        if key[0] in codecs:
-            stash[key[0]] = int(sum(per.get(key, 0) for per in sizes.stash_compressed_bytes.values()))
+    stash = []
+    for out, kept in sizes.stash_keep_bytes.items():
+        held = {"keep": int(kept)}
+        held.update({key[0]: int(sizes.stash_compressed_bytes[out].get(key, 0)) for key in keys if key[0] in codecs})
+        stash.append(StashedOutput(tuple(sizes.readers.get(out, ())), held, int(sizes.value_bytes[out])))
     if sizes.saved_bytes == 0:
         # nothing of this op is saved for backward: compressing it costs no time (only a stash would)
         codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}

@@ -21,8 +21,9 @@ stored bytes beside it, and at stage s it holds:
   those whose earliest reader is at or before s (a compressed op in the same proportion);
 * a compressed op's decompressed copy, in the backward of each op that reads it (it is freed after it);
 * a recompute segment's values, from the stage that first needs one of them (the latest reader of any, where
-  the segment re-runs as a whole) down to the earliest reader of each, and its stored input and RNG states
-  until the re-run.
+  the segment re-runs as a whole) down to the earliest reader of each, and its stored inputs (each output of a
+  stored op before it that one of its ops reads, past the ops between too: under SDPA, ``context`` reads q, k and
+  v from ``linear_qkv``) and RNG states until the re-run.
 
 So the recompute segment of the MLP and a decompressed attention tensor, live at different stages, no longer
 add up. The peak of a layer policy is the largest stage's bytes ``P``; ``P`` less what the layer stores is its
@@ -43,7 +44,7 @@ as Megatron's full recompute does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ from megatron_adacc.adacc.policy.ops import (
     split_reads,
 )
 from megatron_adacc.adacc.policy.policy import Decision
-from megatron_adacc.adacc.policy.profile import LayerProfile
+from megatron_adacc.adacc.policy.profile import LayerProfile, OpProfile
 from megatron_adacc.models import UNFUSED
 
 if TYPE_CHECKING:  # pareto imports this module
@@ -83,10 +84,10 @@ class Choice:
     """T_comp (recompute), T_c + T_dc (compress) or 0 (keep)."""
     decompress_s: float = 0.0
     """T_dc alone, for the chain-aware extra decompression of a compressed segment input."""
-    stash_bytes: float = 0.0
-    """Extra bytes when the op's output is the stored input of a recompute segment that follows it and
-    is not saved for backward anyway (the runtime holds it). The paper's eq. 8 ignores it; the chain-aware
-    model counts it."""
+    stash: tuple[float, ...] = ()
+    """Per output of the op (:attr:`Problem.outputs`, missing ones 0), the extra bytes to hold it as the stored
+    input of a recompute segment that reads it, when it is not saved for backward anyway (the runtime holds it).
+    The paper's eq. 8 ignores them; the chain-aware model counts them."""
     remat_bytes: float = 0.0
     """Bytes this choice brings back during its layer's backward (M_i for recompute and compress, 0 for keep);
     the stages they are live at come from the op's readers (:attr:`Problem.consumers`)."""
@@ -136,6 +137,11 @@ class Problem:
     forward_bytes: list[float] | None = None
     """Per op, what its forward has live at its peak beyond what it reads (outputs, saved tensors, temporaries).
     None: the forward is not bounded (profiles without it)."""
+    outputs: list[tuple[tuple[frozenset[int], float], ...]] | None = None
+    """Per op, per output: the ops that read it and its bytes at full size. A recompute segment holding one of its
+    readers holds it (:attr:`Choice.stash`, in this order) and decompresses it at the re-run when the op is stored
+    compressed. Defaults to one output of :attr:`output_bytes`, read by the next op and by the op's readers past the
+    ops between (:attr:`reads`)."""
 
     def __post_init__(self) -> None:
         if self.op_names is None:
@@ -165,6 +171,12 @@ class Problem:
             self.output_bytes = [max(c.remat_bytes for c in cs) for cs in self.choices]
         if self.freed is None:
             self.freed = [{min(readers, default=i): 1.0} for i, readers in enumerate(self.consumers)]
+        if self.outputs is None:
+            self.outputs = [((frozenset({i + 1} | {r for p, r in self.reads if p == i}), self.output_bytes[i]),)
+                            for i in range(n)]
+        if len(self.outputs) != n:
+            raise ValueError(f"outputs needs one entry per op ({n})")
+        self._read_cache: dict[tuple[int, int, int], tuple[int, ...]] = {}
         if not len(self.consumers) == len(self.freed) == len(self.grad_bytes) == len(self.output_bytes) == n:
             raise ValueError(f"consumers, freed, grad_bytes and output_bytes need one entry per op ({n})")
         for i, (readers, freed) in enumerate(zip(self.consumers, self.freed)):
@@ -245,31 +257,28 @@ class Problem:
                 out[s] = out.get(s, 0.0) + nbytes
         return out
 
-    def segment_stages(self, a: int, b: int, before: Choice | None, *, stash: bool,
+    def segment_stages(self, a: int, b: int, stored: Mapping[int, Choice] | None, *, stash: bool,
                        rerun: int | None = None) -> StageBytes:
         """Where recompute segment ``a..b`` is live: each op's values from the re-run (at the latest reader of
         any of them) down to its earliest reader; with ``stash`` (the chain-aware model, which counts segment
-        inputs and re-runs) the stored input and RNG states until the re-run, and at the re-run its working set:
-        the input at full size when it was stored compressed (decompressed) or the segment changes it (a copy),
-        and the largest output of the segment that nothing saves (the scores softmax reads). ``before``: the
-        choice of op ``a - 1``. ``rerun``: the stage it re-runs at when a later segment re-runs it first
-        (:meth:`reruns`); by default, that of its own latest reader."""
+        inputs and re-runs) its stored inputs and RNG states until the re-run, and at the re-run its working set:
+        the inputs at full size that were stored compressed (decompressed) or that the segment changes (a copy),
+        and the largest output of the segment that nothing saves (the scores softmax reads). ``stored``: the
+        choices of the stored ops before it, by op index (at least of those whose outputs it reads). ``rerun``:
+        the stage it re-runs at when a later segment re-runs it first (:meth:`reruns`); by default, that of its
+        own latest reader."""
         rerun = max(self.reach[a:b + 1]) if rerun is None else rerun
         out: StageBytes = {}
         if rerun < 0:  # nothing of the segment is saved: it never re-runs
             return out
-        if stash and before is not None:
-            spec = OPS_BY_NAME.get(self.op_names[a - 1])
-            copies = (before.decision.action == _COMPRESS) + bool(spec is not None and spec.changed_by_reader)
-            unsaved = max(max(0.0, self.output_bytes[k] - self.recompute_choice(k).remat_bytes)
-                          for k in range(a, b + 1))
-            out[rerun] = copies * self.output_bytes[a - 1] + unsaved
+        if stash and stored is not None:
+            out[rerun] = self.rerun_working_set(a, b, stored)
         for k in range(a, b + 1):
             nbytes = self.recompute_choice(k).remat_bytes
             for s, share in self.held_share[k].items():
                 if s <= rerun:
                     out[s] = out.get(s, 0.0) + nbytes * share
-        held = self.segment_memory(a, b, before) if stash and before is not None else 0.0
+        held = self.segment_memory(a, b, stored) if stash and stored is not None else 0.0
         if held:
             for s in range(rerun, self.num_ops):
                 out[s] = out.get(s, 0.0) + held
@@ -288,10 +297,18 @@ class Problem:
                 for s, nbytes in self.choice_stages(i, c).items():
                     total[s] += nbytes
         segs = segments(c.is_recompute for c in chosen)
+        working: dict[int, list[float]] = {}  # stage -> working sets of the segments re-running there
+        pulled: set[int] = set()  # stages a split read re-runs an earlier segment at
         for seg, rerun in zip(segs, self.reruns(segs)):
-            for s, nbytes in self.segment_stages(seg.start, seg.stop - 1, chosen[seg.start - 1], stash=stash,
-                                                 rerun=rerun).items():
+            stored = _stored_before(chosen, seg.start)
+            for s, nbytes in self.segment_stages(seg.start, seg.stop - 1, stored, stash=stash, rerun=rerun).items():
                 total[s] += nbytes
+            if stash and rerun >= 0:
+                working.setdefault(rerun, []).append(self.rerun_working_set(seg.start, seg.stop - 1, stored))
+                if rerun != max(self.reach[seg.start:seg.stop]):
+                    pulled.add(rerun)
+        for s in pulled:  # the segments re-run one after the other: one working set at a time
+            total[s] -= sum(working[s]) - max(working[s])
         return total
 
     def reruns(self, segs: Sequence[range]) -> list[int]:
@@ -320,18 +337,62 @@ class Problem:
         chosen = self._chosen(picks)
         total = sum(c.memory_bytes for c in chosen)
         if stash:
-            for seg in segments(c.is_recompute for c in chosen):
-                total += self.segment_memory(seg.start, seg.stop - 1, chosen[seg.start - 1])
+            segs = segments(c.is_recompute for c in chosen)
+            for seg, rerun in zip(segs, self.reruns(segs)):
+                if rerun >= 0:  # a segment that never re-runs holds nothing for it (the runtime drops it)
+                    total += self.segment_memory(seg.start, seg.stop - 1, _stored_before(chosen, seg.start))
         return total
 
     def _chosen(self, picks: Sequence[int]) -> list[Choice]:
         return [self.choices[i][k] for i, k in enumerate(picks)]
 
-    def segment_memory(self, a: int, b: int, before: Choice) -> float:
-        """Extra bytes a recompute segment a..b holds: its stored input when nothing else saves it (only
-        the immediately preceding op's output is modeled) and, with a dropout inside, the RNG states."""
+    def segment_memory(self, a: int, b: int, stored: Mapping[int, Choice]) -> float:
+        """Extra bytes a recompute segment a..b that re-runs holds: the outputs of stored ops before it that it reads
+        and nothing else saves (``stored``: their choices by op index, as :meth:`segment_stages` takes them) and,
+        with a dropout inside, the RNG states."""
         rng = self.rng_bytes if any(i in self.rng_ops for i in range(a, b + 1)) else 0.0
-        return before.stash_bytes + rng
+        held = 0.0
+        for p, c in stored.items():
+            if p < a and c.stash:
+                held += sum(c.stash[v] for v in self.read_outputs(p, a, b) if v < len(c.stash))
+        return held + rng
+
+    def rerun_working_set(self, a: int, b: int, stored: Mapping[int, Choice]) -> float:
+        """What recompute segment a..b has live only while it re-runs: its inputs at full size beside their stored
+        form (:meth:`rerun_copies`) and the largest of its outputs that nothing saves (the scores softmax reads)."""
+        unsaved = max(max(0.0, self.output_bytes[k] - self.recompute_choice(k).remat_bytes) for k in range(a, b + 1))
+        return self.rerun_copies(a, b, stored) + unsaved
+
+    def rerun_copies(self, a: int, b: int, stored: Mapping[int, Choice]) -> float:
+        """The inputs recompute segment a..b has at full size beside its stored ones when it re-runs: those of the
+        stored ops before it (``stored``, by op index) that were compressed (decompressed), and of op ``a - 1``
+        those the segment changes in place (a copy: softmax masks the scores)."""
+        total = 0.0
+        for p, c in stored.items():
+            if p >= a:
+                continue
+            spec = OPS_BY_NAME.get(self.op_names[p]) if p == a - 1 else None
+            copies = (c.decision.action == _COMPRESS) + bool(spec is not None and spec.changed_by_reader)
+            if copies:
+                total += copies * sum(self.outputs[p][v][1] for v in self.read_outputs(p, a, b))
+        return total
+
+    def read_outputs(self, p: int, a: int, b: int) -> tuple[int, ...]:
+        """Which outputs of op ``p`` (indices into :attr:`outputs`) an op of segment a..b reads."""
+        key = (p, a, b)
+        found = self._read_cache.get(key)
+        if found is None:
+            found = tuple(v for v, (readers, _) in enumerate(self.outputs[p])
+                          if any(a <= r <= b for r in readers))
+            self._read_cache[key] = found
+        return found
+
+    def carries(self, p: int, choice: Choice, after: int) -> bool:
+        """Whether a recompute segment after op ``after`` may hold or decompress an output of op ``p`` stored
+        with ``choice``: the Pareto DP carries such choices past the stored ops between."""
+        if not (choice.decision.action == _COMPRESS or any(choice.stash)):
+            return False
+        return any(r > after for readers, _ in self.outputs[p] for r in readers)
 
     def stock_picks(self) -> list[int] | None:
         """The keep-everything picks, or None when some op offers no keep choice."""
@@ -417,7 +478,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
     cs_scale, rc_scale = profile.codec_time_scale, profile.recompute_time_scale
     choices: list[list[Choice]] = []
     for spec, op in zip(OPS, profile.ops):
-        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, float(op.stash_bytes.get(Action.KEEP, 0)))]
+        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, _stash(op, Action.KEEP))]
         names = spec.codecs if codecs == "all" else (spec.default_codec,)
         if codec_substitutes:
             names = tuple(dict.fromkeys(codec_substitutes.get(n, n) for n in names
@@ -431,7 +492,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
             params = (codec_params or {}).get(codec, {})
             cs.append(Choice(Decision.compress(codec, **params), float(cp.compressed_bytes),
                              (cp.compress_time_s + cp.decompress_time_s) * cs_scale, cp.decompress_time_s * cs_scale,
-                             float(op.stash_bytes.get(codec, 0)), float(op.saved_bytes)))
+                             _stash(op, codec), float(op.saved_bytes)))
         if spec.recomputable:
             cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s * rc_scale,
                              remat_bytes=float(op.saved_bytes)))
@@ -459,6 +520,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
                       else [float(op.output_bytes) for op in profile.ops]),
         forward_bytes=(None if any(op.forward_bytes is None for op in profile.ops)
                        else [float(op.forward_bytes) for op in profile.ops]),
+        outputs=_outputs(profile),
     )
 
 
@@ -500,7 +562,7 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
     choices = list(problem.choices)
     for i, kept in zip(block, keep):
         choices[i] = [Choice(Decision.recompute(tiles), 0.0, time_s if i == last else 0.0,
-                             stash_bytes=kept.stash_bytes if kept is not None and i == last else 0.0)]
+                             stash=kept.stash if kept is not None and i == last else ())]
 
     def moved(stages: StageBytes) -> StageBytes:  # what the block's ops read is read in the block's backward
         out: StageBytes = {}
@@ -523,6 +585,26 @@ def _rng_ops(profile: LayerProfile) -> frozenset[str]:
     """The ops of the profiled layer's core attention that draw random numbers (the unfused attention's for a
     core attention Adacc has no op table for, which it refuses to run)."""
     return RNG_OPS.get(profile.signature.get("attention"), RNG_OPS[UNFUSED])
+
+
+def _stash(op: OpProfile, storage: str) -> tuple[float, ...]:
+    """A choice's :attr:`Choice.stash` from its op's profile: per output, what storing it as ``storage`` holds."""
+    return tuple(float(out.bytes.get(storage, 0)) for out in op.stash)
+
+
+def _outputs(profile: LayerProfile) -> list[tuple[tuple[frozenset[int], float], ...]] | None:
+    """:attr:`Problem.outputs` from a profile's stashes; None (the cost model's default) for profiles without them
+    (shape formulas: an op of a measured one may have no output, the empty ops under SDPA)."""
+    if not any(op.stash for op in profile.ops):
+        return None
+    index = {op.name: i for i, op in enumerate(profile.ops)}
+    return [tuple((frozenset(index[r] for r in out.readers if r in index), float(out.output_bytes))
+                  for out in op.stash) for op in profile.ops]
+
+
+def _stored_before(chosen: Sequence[Choice], a: int) -> dict[int, Choice]:
+    """The stored choices of the ops before op ``a``, by op index."""
+    return {i: c for i, c in enumerate(chosen[:a]) if not c.is_recompute}
 
 
 def _by_index(profile: LayerProfile, field: str) -> list[StageBytes] | None:

@@ -13,7 +13,9 @@ feasible budget, every uniform optimum and every best two-policy mix are on the 
 
 Policies where a recompute segment reads an output another segment recomputes are left out
 (:func:`~megatron_adacc.adacc.policy.ops.split_reads`): the earlier segment would re-run at the later one's stage,
-so its stages would depend on what follows. A prefix carries which of its recomputed ops later ops still read.
+so its stages would depend on what follows. A prefix carries which of its recomputed ops later ops still read,
+and which of its stored ops (with their choices) a later segment may hold an output of: a segment holding
+``context`` holds ``linear_qkv``'s outputs, stored as that op's choice says, past the ops between them.
 
 The pruning of prefixes is exact too. After the DP has stored op j, every stage up to j is final (a stage only
 holds what ops at or before it produced, and their segments are complete), so a prefix is its stored bytes, its
@@ -118,6 +120,9 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
         """The recomputed ``ops`` that an op after ``after`` reads past the ops between them."""
         return tuple(sorted(p for p in ops if any(r > after for r in readers.get(p, ()))))
 
+    def stored_pick(pk: tuple[int, int]) -> tuple[int, Choice]:
+        return pk[0], problem.choices[pk[0]][pk[1]]
+
     def segment_time(seg: range, before: Choice) -> float:
         if chain_aware:
             return problem.segment_cost(seg.start, seg.stop - 1, before)
@@ -125,25 +130,29 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
 
     # where each stored choice is live, placed once: the DP extends every group of prefixes with each of them
     placed = [[problem.choice_stages(j, c) for c in cs] for j, cs in enumerate(problem.choices)]
-    # states[j][(k, ahead, pending)]: the prefixes 0..j that store op j with choice k, leave ``ahead`` on stages
-    # j+1.. and recompute the ops ``pending`` that later ops read; while op j's are being collected, the groups
+    # states[j][(k, ahead, pending, carried)]: the prefixes 0..j that store op j with choice k, leave ``ahead`` on
+    # stages j+1.., recompute the ops ``pending`` that later ops read and store the ops ``carried`` ((op, choice)
+    # pairs) whose outputs a later segment may hold or decompress; while op j's are being collected, the groups
     # each extension made
     states: list[dict[tuple, list[_Prefixes]]] = [dict() for _ in range(n)]
     start = _Prefixes((0.0,) * n, np.zeros(1), np.zeros(1), np.full(1, -np.inf), [()])  # nothing stored yet
     for k, c in enumerate(problem.choices[0]):
         if not c.is_recompute:
-            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad, ())
+            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad, (), ())
     final: list[_Prefixes] = []
     for j in range(n):
         group = {key: _Prefixes.merge(parts) for key, parts in states[j].items()}
-        for (k, _, pending), prefixes in group.items():
+        for (k, _, pending, carried), prefixes in group.items():
             before = problem.choices[j][k]
+            stored = {p: problem.choices[p][kp] for p, kp in carried}
+            stored[j] = before
             for seg in candidate_segments(recomputable, j + 1):
                 if any(r in seg for p in pending for r in readers[p]):
                     continue  # it would read what an earlier segment recomputes
                 nxt = seg.stop
-                stages = (problem.segment_stages(seg.start, seg.stop - 1, before, stash=chain_aware) if seg else {})
-                held = problem.segment_memory(seg.start, seg.stop - 1, before) if chain_aware and seg else 0.0
+                stages = (problem.segment_stages(seg.start, seg.stop - 1, stored, stash=chain_aware) if seg else {})
+                reruns = bool(seg) and max(problem.reach[seg.start:seg.stop]) >= 0
+                held = problem.segment_memory(seg.start, seg.stop - 1, stored) if chain_aware and reruns else 0.0
                 seg_picks = tuple(rec[i] for i in seg)
                 q = _Prefixes(_add(prefixes.ahead, stages, j, held), prefixes.memory + held,
                               prefixes.time + (segment_time(seg, before) if seg else 0.0), prefixes.peak,
@@ -153,9 +162,11 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                     final.append(_Prefixes((), q.memory, q.time, np.maximum(q.peak, q.memory + tail), q.picks))
                     continue
                 ahead_reads = still_read([*pending, *seg], nxt)
+                ahead_stored = (tuple(pk for pk in (*carried, (j, k)) if problem.carries(*stored_pick(pk), nxt))
+                                if chain_aware else ())
                 for k2, c2 in enumerate(problem.choices[nxt]):
                     if not c2.is_recompute:
-                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad, ahead_reads)
+                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad, ahead_reads, ahead_stored)
     points = _Prefixes.merge(final)
     if problem.runtime_overhead_s:
         # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
@@ -206,14 +217,14 @@ def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: fl
 
 
 def _extend(bucket: dict, q: _Prefixes, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
-            grad: list[float], pending: tuple[int, ...]) -> None:
+            grad: list[float], pending: tuple[int, ...], carried: tuple[tuple[int, int], ...]) -> None:
     """Store op ``nxt`` with choice ``k2`` (live at ``placed``) after prefixes ``q``, whose ``ahead`` starts after
     stage ``last``: stages ``last + 1 .. nxt`` become final. ``pending``: the prefixes' recomputed ops that ops after
-    ``nxt`` read."""
+    ``nxt`` read; ``carried``: their stored ops whose outputs a segment after ``nxt`` may hold."""
     full = _add(q.ahead, placed, last, c2.memory_bytes)
     memory = q.memory + c2.memory_bytes
     final = max(grad[s] + full[s - last - 1] for s in range(last + 1, nxt + 1))
     rest = full[nxt - last:]
-    key = (k2, tuple([round(x, 3) for x in rest]), pending)
+    key = (k2, tuple([round(x, 3) for x in rest]), pending, carried)
     bucket.setdefault(key, []).append(_Prefixes(rest, memory, q.time + c2.time_s, np.maximum(q.peak, memory + final),
                                                 [p + (k2,) for p in q.picks]))

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 """The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
 them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
 mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
@@ -21,7 +21,9 @@ counted one layer's activations, which the cost model now derives per policy); 3
 the runtime's fixed per-layer cost, and times ``step_time_s`` through megatron's own forward; 4 added each op's
 ``consumers``, ``freed``, ``grad_bytes`` and ``output_bytes``, from which the cost model bounds every backward stage;
 5 made the layer input an op (``layer_input``, kept or compressed) instead of ``layer_fixed_bytes``, kept codecs off
-small tensors and fed them tensors in memory order."""
+small tensors and fed them tensors in memory order; 6 added each op's ``forward_bytes``; 7 split each op's stash
+by output, with the ops reading each (``stash``), so a segment that reads an output past the ops between them
+(the attention's q, k and v) holds it too."""
 
 
 @dataclass
@@ -44,6 +46,27 @@ class CodecProfile:
                    dict(obj.get("stats", {})))
 
 
+@dataclass(frozen=True)
+class StashedOutput:
+    """One output of an op as the stored input of a recompute segment that reads it."""
+
+    readers: tuple[str, ...]
+    """The ops that read it: a segment holding one of them, and not the op, holds the output until it re-runs."""
+    bytes: dict[str, int]
+    """Extra bytes to hold it, per storage of the op (``keep`` or a codec name); 0 when saved for backward anyway."""
+    output_bytes: int
+    """Its bytes at full size: what the re-run decompresses of it when the op is compressed."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"readers": list(self.readers), "bytes": {k: int(v) for k, v in self.bytes.items()},
+                "output_bytes": int(self.output_bytes)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> StashedOutput:
+        return cls(tuple(str(r) for r in obj["readers"]), {str(k): int(v) for k, v in obj["bytes"].items()},
+                   int(obj["output_bytes"]))
+
+
 @dataclass
 class OpProfile:
     """One op's output activation: size, time to (re)compute, and every applicable codec measured."""
@@ -54,9 +77,9 @@ class OpProfile:
     forward_time_s: float
     """T_comp_i: time to recompute the op from its stored inputs."""
     codecs: dict[str, CodecProfile] = field(default_factory=dict)
-    stash_bytes: dict[str, int] = field(default_factory=dict)
-    """Extra bytes to hold this op's outputs as the stored input of a following recompute segment, per
-    storage (``keep`` or a codec name); 0 when the outputs are saved for backward anyway."""
+    stash: list[StashedOutput] = field(default_factory=list)
+    """Its outputs as the stored inputs of the recompute segments that read them. Empty: nothing is held
+    (shape-formula and synthetic profiles)."""
     consumers: dict[str, int] | None = None
     """``{op name: bytes}``: the ops whose backward reads what this op holds, with the bytes each reads (a
     compressed tensor is decompressed in each). None: read by the next op only (shape-formula and synthetic
@@ -82,7 +105,7 @@ class OpProfile:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "saved_bytes": int(self.saved_bytes), "forward_time_s": float(self.forward_time_s),
                 "codecs": {k: v.to_json() for k, v in self.codecs.items()},
-                "stash_bytes": {k: int(v) for k, v in self.stash_bytes.items()},
+                "stash": [out.to_json() for out in self.stash],
                 "consumers": None if self.consumers is None else {k: int(v) for k, v in self.consumers.items()},
                 "freed": None if self.freed is None else {k: int(v) for k, v in self.freed.items()},
                 "grad_bytes": int(self.grad_bytes),
@@ -97,7 +120,7 @@ class OpProfile:
 
         return cls(str(obj["name"]), int(obj["saved_bytes"]), float(obj["forward_time_s"]),
                    {k: CodecProfile.from_json(v) for k, v in obj.get("codecs", {}).items()},
-                   {k: int(v) for k, v in obj.get("stash_bytes", {}).items()},
+                   [StashedOutput.from_json(out) for out in obj.get("stash", [])],
                    by_op("consumers"), int(obj.get("grad_bytes", 0)), by_op("freed"),
                    None if obj.get("output_bytes") is None else int(obj["output_bytes"]),
                    None if obj.get("forward_bytes") is None else int(obj["forward_bytes"]))

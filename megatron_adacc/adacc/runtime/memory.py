@@ -74,6 +74,11 @@ class OpSizes:
     """Per output: extra bytes to hold it as a segment input when the op is kept (0 if already saved)."""
     stash_compressed_bytes: dict[str, dict[CodecKey, int]] = field(default_factory=dict)
     """Per output and codec: extra packed bytes to hold it as a segment input when the op is compressed."""
+    readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per output: the ops that read it. A recompute segment holding one of them, and not the op itself, holds the
+    output as its stored input (the stash)."""
+    value_bytes: dict[str, int] = field(default_factory=dict)
+    """Per output: its bytes at full size (a view's own elements), what a re-run decompresses of it."""
     consumer_bytes: dict[str, int] = field(default_factory=dict)
     """Per op whose backward reads them: the bytes of this op's saved storages that op saved (a compressed tensor
     is decompressed in the backward of each)."""
@@ -208,6 +213,8 @@ def profile_layer_sizes(
         small = small_tensor_numel(layer, hidden_states)
         for op in ops:
             _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name], small)
+            sizes[op.name].readers = {out: tuple(o.name for o in ops if out in o.inputs and o is not op)
+                                      for out in sizes[op.name].stash_keep_bytes}
     finally:
         recorder.release()
         env.clear()
@@ -235,6 +242,7 @@ def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecor
         if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
             continue
         ptr = storage_ptr(value)
+        s.value_bytes[out_name] = value.numel() * value.element_size()
         s.stash_keep_bytes[out_name] = 0 if ptr in saved_ptrs else value.untyped_storage().nbytes()
         s.stash_compressed_bytes[out_name] = {
             key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key, small_numel)
