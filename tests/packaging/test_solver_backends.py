@@ -39,7 +39,7 @@ def small_problem(seed: int, frac: float) -> Problem:
     for i in range(4):
         m = float(rng.randint(1, 100))
         cs = [Choice(Decision.keep(), m, 0.0), Choice(Decision.compress("int4_symmetric"), m * rng.uniform(0.1, 0.5),
-                                                      rng.uniform(0.1, 2.0), rng.uniform(0.05, 1.0))]
+                                                      rng.uniform(0.1, 2.0), (rng.uniform(0.05, 1.0),))]
         if i:
             cs.append(Choice(Decision.recompute(), 0.0, rng.uniform(0.1, 5.0)))
         choices.append(cs)

@@ -39,11 +39,12 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
         m = float(rng.randint(1, 100))
         # some outputs are not saved for backward, so holding them for a recompute segment costs extra
         stash = tuple(float(rng.randint(1, 50)) if rng.random() < 0.3 else 0.0 for _ in range(1 + split[i]))
-        cs = [Choice(Decision.keep(), m, 0.0, 0.0, stash)]
+        cs = [Choice(Decision.keep(), m, 0.0, (), stash)]
         if i == 0 or rng.random() < 0.8:
             dc = rng.uniform(0.05, 2.0)
             cs.append(Choice(Decision.compress("int4_symmetric"), m * rng.uniform(0.1, 0.5),
-                             dc + rng.uniform(0.05, 2.0), dc, tuple(x * 0.25 for x in stash), m if remat else 0.0))
+                             dc + rng.uniform(0.05, 2.0), (dc,) * len(stash), tuple(x * 0.25 for x in stash),
+                             m if remat else 0.0))
         if i > 0:
             cs.append(Choice(Decision.recompute(), 0.0, fwd[i], remat_bytes=m if remat else 0.0))
         choices.append(cs)
@@ -261,8 +262,8 @@ def test_a_costly_runtime_keeps_most_layers_on_the_stock_forward() -> None:
     """Just under the keep-everything memory, a large fixed runtime cost makes one layer give up more rather
     than every layer a little (what Megatron's block recompute of one layer does)."""
     keep, comp, rec = Decision.keep(), Decision.compress("int4_symmetric"), Decision.recompute()
-    choices = [[Choice(keep, 100, 0.0), Choice(comp, 30, 1.0, 0.5)],
-               [Choice(keep, 10, 0.0), Choice(comp, 3, 0.1, 0.05), Choice(rec, 0, 0.2)]]
+    choices = [[Choice(keep, 100, 0.0), Choice(comp, 30, 1.0, (0.5,))],
+               [Choice(keep, 10, 0.0), Choice(comp, 3, 0.1, (0.05,)), Choice(rec, 0, 0.2)]]
     problem = Problem(choices=choices, num_layers=4, static_bytes=0.0, budget_bytes=4 * 110 - 20,
                       segment_time=lambda a, b: 0.2, runtime_overhead_s=5.0)
     got = heterogeneous.solve(problem, chain_aware=True, time_limit_s=None)
@@ -388,7 +389,7 @@ def test_sdpa_profiles_charge_rng_states_to_context() -> None:
 def test_hand_computed_two_op_instance() -> None:
     # op0: keep 10 B | compress 3 B at 1 s; op1: keep 20 B | recompute at 2 s. Budget 25 B, no static.
     problem = Problem(
-        choices=[[Choice(Decision.keep(), 10, 0), Choice(Decision.compress("int4_outlier"), 3, 1, 0.5)],
+        choices=[[Choice(Decision.keep(), 10, 0), Choice(Decision.compress("int4_outlier"), 3, 1, (0.5,))],
                  [Choice(Decision.keep(), 20, 0), Choice(Decision.recompute(), 0, 2)]],
         num_layers=1, static_bytes=0, budget_bytes=25, segment_time=lambda a, b: 2.0,
         op_names=["input_layernorm", "linear_qkv"])
@@ -496,7 +497,7 @@ def test_the_milps_bound_every_stage_exactly_as_the_cost_model_does() -> None:
     choices = []
     for i, m in enumerate(saved):
         cs = [Choice(Decision.keep(), m, 0.0), Choice(Decision.compress("int4_symmetric"), m / 4, m / 100.0,
-                                                      m / 300.0, 0.0, m)]
+                                                      (m / 300.0,), (), m)]
         if i:
             cs.append(Choice(Decision.recompute(), 0.0, m / 60.0, remat_bytes=m))
         choices.append(cs)

@@ -81,8 +81,9 @@ def _retimed(profiled: float, measured: float | None) -> float:
 
 def resampled(old: CodecProfile, sample: OpSample, *, saved: bool) -> CodecProfile:
     """An op's ``int4_outlier`` profile after ``sample``: bytes scaled by the codec's size ratio between the new
-    count and the profiled one, raw times re-measured (beyond :data:`TIME_CHANGE`; kept at 0 when the op saves
-    nothing for backward, as the profiler does), and the new count as the next reference. A profile that
+    count and the profiled one, raw times re-measured (beyond :data:`TIME_CHANGE`; kept as profiled when the op
+    saves nothing for backward: the profiler timed its outputs, which only a segment's stash compresses, and the
+    sample times saved tensors), and the new count as the next reference. A profile that
     recorded no count (``outlier_channels``, or an analytic ``outlier_fraction``) keeps its bytes: the sample
     calibrates it."""
     before = old.stats.get("outlier_channels")

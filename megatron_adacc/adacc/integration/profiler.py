@@ -348,9 +348,6 @@ def sized_op_profile(name: str, forward_s: float, codecs: dict[str, CodecProfile
         held = {"keep": int(kept)}
         held.update({key[0]: int(sizes.stash_compressed_bytes[out].get(key, 0)) for key in keys if key[0] in codecs})
         stash.append(StashedOutput(tuple(sizes.readers.get(out, ())), held, int(sizes.value_bytes[out])))
-    if sizes.saved_bytes == 0:
-        # nothing of this op is saved for backward: compressing it costs no time (only a stash would)
-        codecs = {k: CodecProfile(v.compressed_bytes, 0.0, 0.0, v.stats) for k, v in codecs.items()}
     return OpProfile(name, int(sizes.saved_bytes), float(forward_s), codecs, stash, dict(sizes.consumer_bytes),
                      int(sizes.grad_bytes), dict(sizes.freed_bytes), int(sizes.output_bytes))
 

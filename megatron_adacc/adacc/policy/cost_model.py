@@ -82,8 +82,10 @@ class Choice:
     memory_bytes: float
     time_s: float
     """T_comp (recompute), T_c + T_dc (compress) or 0 (keep)."""
-    decompress_s: float = 0.0
-    """T_dc alone, for the chain-aware extra decompression of a compressed segment input."""
+    rerun_s: tuple[float, ...] = ()
+    """Per output of the op (:attr:`Problem.outputs`, missing ones 0), the time a recompute segment that reads it
+    pays beyond its re-run (the chain-aware model): for a compressed op, decompressing the output once more, or,
+    where the op does not save it (a stash), compressing it in forward and decompressing it at the re-run."""
     stash: tuple[float, ...] = ()
     """Per output of the op (:attr:`Problem.outputs`, missing ones 0), the extra bytes to hold it as the stored
     input of a recompute segment that reads it, when it is not saved for backward anyway (the runtime holds it).
@@ -390,7 +392,7 @@ class Problem:
     def carries(self, p: int, choice: Choice, after: int) -> bool:
         """Whether a recompute segment after op ``after`` may hold or decompress an output of op ``p`` stored
         with ``choice``: the Pareto DP carries such choices past the stored ops between."""
-        if not (choice.decision.action == _COMPRESS or any(choice.stash)):
+        if not (choice.decision.action == _COMPRESS or any(choice.stash) or any(choice.rerun_s)):
             return False
         return any(r > after for readers, _ in self.outputs[p] for r in readers)
 
@@ -414,19 +416,23 @@ class Problem:
         total = fixed
         for i, c in enumerate(chosen):  # in op order, so the sum rounds as it always has
             if i in starts:
-                total += self.segment_cost(i, starts[i].stop - 1, chosen[i - 1])
+                total += self.segment_cost(i, starts[i].stop - 1, _stored_before(chosen, i))
             elif not c.is_recompute:
                 total += c.time_s
         return total
 
-    def segment_cost(self, a: int, b: int, before: Choice) -> float:
-        """Chain-aware cost of the maximal recompute segment a..b whose stored input is ``before``'s output."""
+    def segment_cost(self, a: int, b: int, stored: Mapping[int, Choice]) -> float:
+        """Chain-aware cost of the maximal recompute segment a..b: its re-run, and what reading the outputs of the
+        stored ops before it costs (:attr:`Choice.rerun_s`; ``stored``: their choices by op index, as
+        :meth:`segment_stages` takes them)."""
         if self.per_tensor:
             cost = sum(self.segment_time(a, k) for k in range(a, b + 1))
         else:
             cost = self.segment_time(a, b)
         if self.redecompress_segment_input:
-            cost += before.decompress_s
+            for p, c in stored.items():
+                if p < a and c.rerun_s:
+                    cost += sum(c.rerun_s[v] for v in self.read_outputs(p, a, b) if v < len(c.rerun_s))
         return cost
 
     def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
@@ -478,7 +484,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
     cs_scale, rc_scale = profile.codec_time_scale, profile.recompute_time_scale
     choices: list[list[Choice]] = []
     for spec, op in zip(OPS, profile.ops):
-        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, 0.0, _stash(op, Action.KEEP))]
+        cs = [Choice(Decision.keep(), float(op.saved_bytes), 0.0, (), _stash(op, Action.KEEP))]
         names = spec.codecs if codecs == "all" else (spec.default_codec,)
         if codec_substitutes:
             names = tuple(dict.fromkeys(codec_substitutes.get(n, n) for n in names
@@ -490,9 +496,11 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
                 continue
             cp = op.codecs[codec]
             params = (codec_params or {}).get(codec, {})
+            # an op that saves nothing compresses nothing for backward: only a stash of its outputs costs time
+            saves = op.saved_bytes > 0
             cs.append(Choice(Decision.compress(codec, **params), float(cp.compressed_bytes),
-                             (cp.compress_time_s + cp.decompress_time_s) * cs_scale, cp.decompress_time_s * cs_scale,
-                             _stash(op, codec), float(op.saved_bytes)))
+                             (cp.compress_time_s + cp.decompress_time_s) * cs_scale if saves else 0.0,
+                             _rerun_times(op, codec, cs_scale), _stash(op, codec), float(op.saved_bytes)))
         if spec.recomputable:
             cs.append(Choice(Decision.recompute(), 0.0, op.forward_time_s * rc_scale,
                              remat_bytes=float(op.saved_bytes)))
@@ -590,6 +598,18 @@ def _rng_ops(profile: LayerProfile) -> frozenset[str]:
 def _stash(op: OpProfile, storage: str) -> tuple[float, ...]:
     """A choice's :attr:`Choice.stash` from its op's profile: per output, what storing it as ``storage`` holds."""
     return tuple(float(out.bytes.get(storage, 0)) for out in op.stash)
+
+
+def _rerun_times(op: OpProfile, codec: str, scale: float) -> tuple[float, ...]:
+    """A compress choice's :attr:`Choice.rerun_s` from its op's profile, whose codec times were measured on the op's
+    outputs: each output's share (by size) of a decompression, or of a compression and a decompression where the
+    op does not save it (a stash). Profiles without stashes: one output, decompressed when the op saves it."""
+    cp = op.codecs[codec]
+    if not op.stash:
+        return (cp.decompress_time_s * scale if op.saved_bytes > 0 else 0.0,)
+    total = sum(out.output_bytes for out in op.stash) or 1
+    return tuple((cp.compress_time_s * bool(out.bytes.get(codec, 0)) + cp.decompress_time_s) * scale
+                 * out.output_bytes / total for out in op.stash)
 
 
 def _outputs(profile: LayerProfile) -> list[tuple[tuple[frozenset[int], float], ...]] | None:

@@ -123,9 +123,9 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     def stored_pick(pk: tuple[int, int]) -> tuple[int, Choice]:
         return pk[0], problem.choices[pk[0]][pk[1]]
 
-    def segment_time(seg: range, before: Choice) -> float:
+    def segment_time(seg: range, stored: dict[int, Choice]) -> float:
         if chain_aware:
-            return problem.segment_cost(seg.start, seg.stop - 1, before)
+            return problem.segment_cost(seg.start, seg.stop - 1, stored)
         return sum(problem.choices[i][rec[i]].time_s for i in seg)
 
     # where each stored choice is live, placed once: the DP extends every group of prefixes with each of them
@@ -155,7 +155,7 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                 held = problem.segment_memory(seg.start, seg.stop - 1, stored) if chain_aware and reruns else 0.0
                 seg_picks = tuple(rec[i] for i in seg)
                 q = _Prefixes(_add(prefixes.ahead, stages, j, held), prefixes.memory + held,
-                              prefixes.time + (segment_time(seg, before) if seg else 0.0), prefixes.peak,
+                              prefixes.time + (segment_time(seg, stored) if seg else 0.0), prefixes.peak,
                               [p + seg_picks for p in prefixes.picks] if seg_picks else prefixes.picks)
                 if nxt == n:  # the layer ends: every stage left is final
                     tail = max((grad[s] + q.ahead[s - j - 1] for s in range(j + 1, n)), default=-np.inf)
