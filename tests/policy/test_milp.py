@@ -22,11 +22,12 @@ SIG = plain_signature(hidden_size=256, num_attention_heads=4, ffn_hidden_size=10
 def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *, per_tensor: bool = False,
                    remat: bool = False, runtime: bool = False, reads: bool = False) -> Problem:
     """Up to 3 choices per op: keep, compress (maybe), recompute (not for op 0). With ``remat``, compressed and
-    recomputed ops re-materialize their bytes in backward and there is a workspace, so the transient term
-    (the larger of the two) is part of every memory bound. With ``runtime``, every layer that does not keep
-    everything pays a fixed runtime cost. With ``reads``, some ops read an output from past the op before them
-    (a residual add, the attention's Q/K/V), so policies whose segments would split such a read are left out, and
-    a segment holding such a reader holds that output (some of those ops have two outputs, one per reader)."""
+    recomputed ops re-materialize their bytes in backward, each op's forward holds some bytes, and there is a
+    workspace, so the transient term (the largest of them) is part of every memory bound. With ``runtime``, every
+    layer that does not keep everything pays a fixed runtime cost. With ``reads``, some ops read an output from
+    past the op before them (a residual add, the attention's Q/K/V), so policies whose segments would split such a
+    read are left out, and a segment holding such a reader holds that output (some of those ops have two outputs,
+    one per reader)."""
     fwd = [rng.uniform(0.1, 5.0) for _ in range(n_ops)]
     read_pairs = tuple((p, r) for p in range(n_ops) for r in range(p + 2, n_ops) if reads and rng.random() < 0.3)
     if reads and not read_pairs:
@@ -67,7 +68,8 @@ def random_problem(rng: random.Random, n_ops: int, n_layers: int, frac: float, *
                       rng_ops=frozenset(i for i in range(n_ops) if rng.random() < 0.3),
                       workspace_bytes=float(rng.randint(0, 150)) if remat else 0.0,
                       runtime_overhead_s=rng.uniform(0.0, 3.0) if runtime else 0.0,
-                      reads=read_pairs, outputs=outputs)
+                      reads=read_pairs, outputs=outputs,
+                      forward_bytes=[float(rng.randint(0, 80)) for _ in range(n_ops)] if remat else None)
     lo = problem.min_feasible_budget(stash=True)
     hi = problem.total_memory([[0] * n_ops] * n_layers, stash=True)
     problem.budget_bytes = lo + frac * max(hi - lo, 0.0)

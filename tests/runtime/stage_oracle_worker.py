@@ -86,12 +86,13 @@ def layer_input(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def predicted(problem, decisions, signature) -> tuple[list[float], float]:
-    """The bound of each backward stage, and of the forward: what the layer stores beside its largest op forward
-    (the cost model's forward term, which the last layer of a model has beside the others' stored bytes)."""
+    """The bound of each backward stage, and of the forward: its largest forward stage (what the ops before the op
+    stored, the outputs still read and the op's own forward), which the last layer of a model has beside the
+    others' stored bytes."""
     problem = tile_mlp(problem, check_tiles(decisions), mlp_weight_bytes(signature))
     picks = [next(k for k, c in enumerate(cs) if c.decision == decisions[name])
              for name, cs in zip(OP_NAMES, problem.choices)]
-    return problem.stage_bytes(picks, stash=True), problem.layer_memory(picks, stash=True) + problem.forward_peak()
+    return problem.stage_bytes(picks, stash=True), max(problem.forward_stages(picks, stash=True))
 
 
 def main() -> None:

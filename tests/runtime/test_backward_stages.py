@@ -71,16 +71,16 @@ def test_calibrated_on_keep_everything_the_bound_holds_every_policy_s_peak(trace
 
 
 def test_the_forward_stays_under_its_bound(traced):
-    """A layer's forward holds what it stores beside its largest op forward (the cost model's forward term,
-    counted over what the op reads and its own outputs, saved tensors and temporaries): with keep-everything's
-    backward offset for what the model does not see, every policy's measured forward peak is under that bound
-    (1 MiB for the allocator's small blocks), and the bound is not loose by more than 40% of itself (it counts a
-    stored output again while it is live, a term the policy cannot change: keep-everything measured 13 MiB under
-    its 46 when this was written, 16 MiB on 2026-11-28, with the same code, from a baseline 0.2 MiB higher)."""
+    """A layer's forward holds, at each op, what the ops before it stored, the outputs later ops still read and the
+    op's own forward (the cost model's forward stages): with keep-everything's backward offset for what the model
+    does not see, every policy's measured forward peak is under its largest forward stage (1 MiB for the
+    allocator's small blocks), and the bound is not loose by more than a third of itself (it counts a live output
+    again where the policy stores it). Measured on 2026-11-28: 3.5-5.1 MiB under bounds of 16-35 MiB; while the
+    bound put the whole layer's stored bytes beside the largest op forward, keep-everything was 16 MiB under 46."""
     baseline = max(_offsets(traced["keep"]).values())
     for name, run in traced.items():
         over = run["forward"] - run["forward_bound"] - baseline
-        assert -0.4 * run["forward_bound"] <= over <= MiB, (name, over / MiB)
+        assert -0.35 * run["forward_bound"] <= over <= MiB, (name, over / MiB)
 
 
 def test_a_trace_without_the_allocator_setting_is_refused_in_one_line_with_the_fix(monkeypatch):

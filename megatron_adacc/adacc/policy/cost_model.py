@@ -36,6 +36,12 @@ layer that is ``M_fixed + N x stored + max(workspace, E)``, linear in the MILPs:
 representative layer, with the other layers' stored bytes as a sum. Where layers differ, a leaner layer below
 richer ones is charged its re-materialization beside the layers below it only, not beside the whole model.
 
+The forward of layer l runs beside the stored bytes of layers 0..l-1 too, so it is more stages of the same layer:
+at op i's forward the layer holds what its ops before i stored (and the stored inputs of the segments begun by
+then), the outputs later ops still read, and op i's own forward as the profiler measured it. A layer's excess E
+is over its backward and forward stages. (The outputs still read are counted whether or not the policy stores
+them: an upper bound, by what a kept op stores of its own live output.)
+
 A keep-everything policy re-materializes nothing, so its peak is the stored activations and the gradients of
 the first stage; a policy that drops every tensor re-materializes a whole layer during that layer's backward,
 as Megatron's full recompute does.
@@ -190,25 +196,16 @@ class Problem:
         self.held_share = [_held_share(freed, i, n) for i, freed in enumerate(self.freed)]
         if self.forward_bytes is not None and len(self.forward_bytes) != n:
             raise ValueError(f"forward_bytes needs one entry per op ({n})")
-        self.fixed_transient_bytes = max(self.workspace_bytes, self.forward_peak())
-        """The policy-independent transient on top of every layer's stored bytes: the workspace at the start of
-        backward, or the last layer's largest op forward (:meth:`forward_peak`), whichever is larger."""
-
-    def forward_peak(self) -> float:
-        """The most a layer's forward holds beyond what the layers store: over its ops, what the op reads and what
-        later ops still read (the outputs before it, whatever the policy: the runtime drops an output after its
-        last reader, and what a policy stores of them it counts again), plus the op's own forward. In the last
-        layer that sits beside every other layer's stored bytes and its own, as the workspace does; it bounds a
-        floor whose backward holds little, and a tiled MLP's forward (:func:`tile_mlp`). 0 without
-        :attr:`forward_bytes`."""
-        if self.forward_bytes is None:
-            return 0.0
-        peak = 0.0
-        for i, own in enumerate(self.forward_bytes):
-            live = self.output_bytes[i - 1] if i else 0.0
-            live += sum(self.output_bytes[p] for p, r in self.reads if p < i - 1 and r >= i)
-            peak = max(peak, live + own)
-        return peak
+        self.forward_live: list[float] | None = None
+        """Per op, what its forward has beside what the layer's ops before it stored: what it reads and what later
+        ops still read (the outputs before it, whatever the policy: the runtime drops an output after its last
+        reader), and its own forward (:attr:`forward_bytes`). None without them."""
+        if self.forward_bytes is not None:
+            self.forward_live = []
+            for i, own in enumerate(self.forward_bytes):
+                live = self.output_bytes[i - 1] if i else 0.0
+                live += sum(self.output_bytes[p] for p, r in self.reads if p < i - 1 and r >= i)
+                self.forward_live.append(live + own)
 
     @property
     def num_ops(self) -> int:
@@ -232,7 +229,7 @@ class Problem:
         front = pareto_front(self, chain_aware=stash)
         best = min(self.uniform_bytes(p) for p in front)
         if heterogeneous:
-            best = min(best, least_mix_bytes(front, self.num_layers, self.fixed_transient_bytes))
+            best = min(best, least_mix_bytes(front, self.num_layers, self.workspace_bytes))
         return int(math.ceil(self.fixed_bytes + best))
 
     def uniform_bytes(self, point: ParetoPoint) -> float:
@@ -241,10 +238,9 @@ class Problem:
         return self.num_layers * point.memory_bytes + self.transient_bytes([point.excess_bytes])
 
     def transient_bytes(self, layer_excesses: Sequence[float]) -> float:
-        """The transient peak on top of every layer's stored bytes: the fixed transient (the workspace, or the last
-        layer's largest op forward) or the largest backward excess, whichever is larger (they are not live at the
-        same time)."""
-        return max([self.fixed_transient_bytes, *layer_excesses])
+        """The transient peak on top of every layer's stored bytes: the workspace or the largest layer excess
+        (backward or forward), whichever is larger (they are not live at the same time)."""
+        return max([self.workspace_bytes, *layer_excesses])
 
     # ---------------------------------------------------------------------------------- backward stages
     def choice_stages(self, i: int, choice: Choice) -> StageBytes:
@@ -330,8 +326,31 @@ class Problem:
         return split_reads([c.is_recompute for c in self._chosen(picks)], self.reads)
 
     def layer_excess(self, picks: Sequence[int], *, stash: bool = False) -> float:
-        """A layer's backward excess: its largest stage's bytes less what it stores (module docstring)."""
-        return max(self.stage_bytes(picks, stash=stash)) - self.layer_memory(picks, stash=stash)
+        """A layer's excess: its largest stage's bytes, backward or forward, less what it stores (module
+        docstring)."""
+        largest = max(self.stage_bytes(picks, stash=stash) + self.forward_stages(picks, stash=stash))
+        return largest - self.layer_memory(picks, stash=stash)
+
+    def forward_stages(self, picks: Sequence[int], *, stash: bool = False) -> list[float]:
+        """The bytes a layer with ``picks`` holds at each op's forward (module docstring): what its ops before it
+        stored, with ``stash`` the stored inputs of the segments begun by then, and :attr:`forward_live`. Empty
+        without :attr:`forward_bytes`."""
+        if self.forward_live is None:
+            return []
+        chosen = self._chosen(picks)
+        begun: dict[int, float] = {}
+        if stash:
+            segs = segments(c.is_recompute for c in chosen)
+            for seg, rerun in zip(segs, self.reruns(segs)):
+                if rerun >= 0:
+                    begun[seg.start] = self.segment_memory(seg.start, seg.stop - 1, _stored_before(chosen, seg.start))
+        out, held = [], 0.0
+        for i, c in enumerate(chosen):
+            held += begun.get(i, 0.0)
+            out.append(held + self.forward_live[i])
+            if not c.is_recompute:
+                held += c.memory_bytes
+        return out
 
     # ------------------------------------------------------------------------------- evaluating a layer
     def layer_memory(self, picks: Sequence[int], *, stash: bool = False) -> float:
@@ -454,7 +473,7 @@ class Problem:
             memory, excess = per_policy[key]
             below += memory
             peak = max(peak, below + excess)
-        return below, max(self.fixed_transient_bytes, peak - below)
+        return below, max(self.workspace_bytes, peak - below)
 
     def total_time(self, layer_picks: Sequence[Sequence[int]], *, chain_aware: bool) -> float:
         return sum(self.layer_time(p, chain_aware=chain_aware) for p in layer_picks)

@@ -4,7 +4,7 @@ A layer policy is a sequence of stored ops (kept or compressed) separated by rec
 DP state is "op j is stored with choice k": moving to the next stored op j' adds the segment j+1..j'-1
 and the choice at j'.
 
-Each point has three costs: the bytes the layer stores, its peak over its backward stages (the per-stage bound of
+Each point has three costs: the bytes the layer stores, its peak over its backward and forward stages (the bound of
 :mod:`megatron_adacc.adacc.policy.cost_model`) and the time. A point is dropped only when another is no worse in
 all three: then it is no worse in any bound the solvers use (all layers' stored bytes + the workspace, and each
 layer's peak beside the stored bytes of the layers below it: both grow with any layer's stored bytes and peak, so
@@ -130,6 +130,8 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
 
     # where each stored choice is live, placed once: the DP extends every group of prefixes with each of them
     placed = [[problem.choice_stages(j, c) for c in cs] for j, cs in enumerate(problem.choices)]
+    # each op's forward stage: the prefix's stored bytes when it runs, plus this (Problem.forward_stages)
+    forward = problem.forward_live or [-np.inf] * n
     # states[j][(k, ahead, pending, carried)]: the prefixes 0..j that store op j with choice k, leave ``ahead`` on
     # stages j+1.., recompute the ops ``pending`` that later ops read and store the ops ``carried`` ((op, choice)
     # pairs) whose outputs a later segment may hold or decompress; while op j's are being collected, the groups
@@ -138,7 +140,7 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
     start = _Prefixes((0.0,) * n, np.zeros(1), np.zeros(1), np.full(1, -np.inf), [()])  # nothing stored yet
     for k, c in enumerate(problem.choices[0]):
         if not c.is_recompute:
-            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad, (), ())
+            _extend(states[0], start, k, c, placed[0][k], 0, -1, grad, (), (), forward[0])
     final: list[_Prefixes] = []
     for j in range(n):
         group = {key: _Prefixes.merge(parts) for key, parts in states[j].items()}
@@ -154,8 +156,10 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                 reruns = bool(seg) and max(problem.reach[seg.start:seg.stop]) >= 0
                 held = problem.segment_memory(seg.start, seg.stop - 1, stored) if chain_aware and reruns else 0.0
                 seg_picks = tuple(rec[i] for i in seg)
+                peak = (np.maximum(prefixes.peak, prefixes.memory + held + max(forward[i] for i in seg)) if seg
+                        else prefixes.peak)
                 q = _Prefixes(_add(prefixes.ahead, stages, j, held), prefixes.memory + held,
-                              prefixes.time + (segment_time(seg, stored) if seg else 0.0), prefixes.peak,
+                              prefixes.time + (segment_time(seg, stored) if seg else 0.0), peak,
                               [p + seg_picks for p in prefixes.picks] if seg_picks else prefixes.picks)
                 if nxt == n:  # the layer ends: every stage left is final
                     tail = max((grad[s] + q.ahead[s - j - 1] for s in range(j + 1, n)), default=-np.inf)
@@ -166,7 +170,8 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
                                 if chain_aware else ())
                 for k2, c2 in enumerate(problem.choices[nxt]):
                     if not c2.is_recompute:
-                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad, ahead_reads, ahead_stored)
+                        _extend(states[nxt], q, k2, c2, placed[nxt][k2], nxt, j, grad, ahead_reads, ahead_stored,
+                                forward[nxt])
     points = _Prefixes.merge(final)
     if problem.runtime_overhead_s:
         # every policy but keep-all pays the runtime's fixed cost: a constant over them, so the DP's pruning
@@ -217,14 +222,15 @@ def _add(ahead: tuple[float, ...], stages: dict[int, float], last: int, held: fl
 
 
 def _extend(bucket: dict, q: _Prefixes, k2: int, c2: Choice, placed: dict[int, float], nxt: int, last: int,
-            grad: list[float], pending: tuple[int, ...], carried: tuple[tuple[int, int], ...]) -> None:
+            grad: list[float], pending: tuple[int, ...], carried: tuple[tuple[int, int], ...], forward: float) -> None:
     """Store op ``nxt`` with choice ``k2`` (live at ``placed``) after prefixes ``q``, whose ``ahead`` starts after
     stage ``last``: stages ``last + 1 .. nxt`` become final. ``pending``: the prefixes' recomputed ops that ops after
-    ``nxt`` read; ``carried``: their stored ops whose outputs a segment after ``nxt`` may hold."""
+    ``nxt`` read; ``carried``: their stored ops whose outputs a segment after ``nxt`` may hold; ``forward``: what op
+    ``nxt``'s forward holds beside the prefixes' stored bytes."""
     full = _add(q.ahead, placed, last, c2.memory_bytes)
     memory = q.memory + c2.memory_bytes
     final = max(grad[s] + full[s - last - 1] for s in range(last + 1, nxt + 1))
     rest = full[nxt - last:]
     key = (k2, tuple([round(x, 3) for x in rest]), pending, carried)
-    bucket.setdefault(key, []).append(_Prefixes(rest, memory, q.time + c2.time_s, np.maximum(q.peak, memory + final),
-                                                [p + (k2,) for p in q.picks]))
+    peak = np.maximum(np.maximum(q.peak, memory + final), q.memory + forward)
+    bucket.setdefault(key, []).append(_Prefixes(rest, memory, q.time + c2.time_s, peak, [p + (k2,) for p in q.picks]))

@@ -91,19 +91,21 @@ def check_budget(problem: Problem, *, stash: bool = False, heterogeneous: bool =
     return problem.budget_bytes - problem.fixed_bytes
 
 
-def add_memory_bounds(prob: pulp.LpProblem, problem: Problem, room: float, stored: pulp.LpAffineExpression,
+def add_memory_bounds(prob: pulp.LpProblem, problem: Problem, room: float, per_op: list[pulp.LpAffineExpression],
                       stages: list[pulp.LpAffineExpression]) -> None:
     """The memory bound of one policy used by every layer, linear (:mod:`..cost_model`): every layer holds what it
-    stored beside the fixed transient (the workspace at the start of backward, or the last layer's largest op
-    forward), and at each backward stage s of the layer that runs
-    its backward first the other layers hold what they stored. ``stored`` is one layer's stored bytes and
-    ``stages[s]`` its bytes at stage s but the gradients, both in units of :func:`memory_unit`."""
+    stored beside the workspace at the start of backward; at each backward stage s of the layer that runs its
+    backward first, and at each op's forward in the last layer, the other layers hold what they stored.
+    ``per_op[i]`` is op i's stored bytes in one layer and ``stages[s]`` the layer's bytes at stage s but the
+    gradients, both in units of :func:`memory_unit`."""
     unit = memory_unit(room)
     others = problem.num_layers - 1
-    prob += (problem.num_layers * stored + problem.fixed_transient_bytes / unit <= room / unit,
-             "memory_start_of_backward")
+    stored = pulp.lpSum(per_op)
+    prob += problem.num_layers * stored + problem.workspace_bytes / unit <= room / unit, "memory_start_of_backward"
     for s, live in enumerate(stages):
         prob += others * stored + live + problem.grad_bytes[s] / unit <= room / unit, f"memory_stage_{s}"
+    for i, live in enumerate(problem.forward_live or []):
+        prob += others * stored + pulp.lpSum(per_op[:i]) + live / unit <= room / unit, f"memory_forward_{i}"
 
 
 def prefer_stock(problem: Problem, picks: list[int] | None, *, chain_aware: bool) -> list[int] | None:

@@ -91,7 +91,7 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
     unit = memory_unit(room)
     front = pareto_front(problem, chain_aware=chain_aware)
     L = problem.num_layers
-    W = problem.fixed_transient_bytes
+    W = problem.workspace_bytes
     counts = best_two_policy_mix(front, L, room, W)
     status = "Optimal" if counts else "Infeasible"
     proven = False

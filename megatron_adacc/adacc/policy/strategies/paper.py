@@ -51,8 +51,8 @@ def _solve(problem: Problem, room: float | None, backend: str) -> list[int] | No
             stored = 1 - x[m][rec[m]] if rec[m] is not None else 1
             prob += x[p][rec[p]] + stored + x[r][rec[r]] <= 2, f"one_segment_{p}_{m}_{r}"
     if room is not None:
-        stored = pulp.lpSum(c.memory_bytes / unit * x[i][k]
-                            for i, cs in enumerate(problem.choices) for k, c in enumerate(cs))
+        per_op = [pulp.lpSum(c.memory_bytes / unit * x[i][k] for k, c in enumerate(cs))
+                  for i, cs in enumerate(problem.choices)]
         by_stage: list[list] = [[] for _ in range(problem.num_ops)]
         for i, cs in enumerate(problem.choices):
             for k, c in enumerate(cs):
@@ -61,7 +61,7 @@ def _solve(problem: Problem, room: float | None, backend: str) -> list[int] | No
                         by_stage[s].append(nbytes / unit * x[i][k])
         stages = [pulp.lpSum(terms) + _recomputed_at(prob, problem, x, rec, s, unit)
                   for s, terms in enumerate(by_stage)]
-        add_memory_bounds(prob, problem, room, stored, stages)  # eq. 7-8 with the backward stages
+        add_memory_bounds(prob, problem, room, per_op, stages)  # eq. 7-8 with the backward and forward stages
     status = run_milp(prob, backend)
     return picked(x) if status == "Optimal" else None
 
