@@ -139,6 +139,16 @@ def test_the_calibrated_process_memory_covers_the_peak_and_every_traced_stage():
     assert abs(auto.baseline_from_run(profile, int(total + 1e6), traced) - 9e6) <= 1
     assert abs(auto.baseline_from_run(profile, int(total + 50e6), traced) - 50e6) <= 1
     assert abs(auto.baseline_from_run(profile, int(total + 7e6), []) - 7e6) <= 1
+    # the last layer's forward stages count too (profiles that measured each op's forward)
+    for i, op in enumerate(profile.ops):
+        op.forward_bytes = 1000 * (i + 1)
+    problem = make_problem(profile, None, SolveOptions())
+    forward = stages.bounds(problem.fixed_bytes, problem.workspace_bytes, [problem.layer_memory(keep, stash=True)] * 3,
+                            [problem.stage_bytes(keep, stash=True)] * 3, [problem.forward_stages(keep, stash=True)] * 3)
+    total = problem.total_memory([keep] * 3, stash=True)
+    traced = [{"stage": "F2/linear_fc1", "peak_bytes": forward["F2/linear_fc1"] + 12e6},
+              {"stage": "F1/linear_fc1", "peak_bytes": forward["F1/linear_fc1"] + 30e6}]  # not the bound's own layer
+    assert abs(auto.baseline_from_run(profile, int(total + 1e6), traced) - 12e6) <= 1
 
 
 def test_a_profile_of_another_model_is_not_reused(tmp_path, monkeypatch):

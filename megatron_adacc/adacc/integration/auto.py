@@ -263,8 +263,8 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
 def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[str, Any]]) -> int:
     """The process memory outside the cost model, from a keep-everything run of ``profile``'s model: what its
     peak exceeds the model's prediction by, or, where the run was traced, the largest excess of a measured stage
-    over its bound (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the head and the stages of the
-    layer that runs its backward first (the bound's own case) when that is larger, so that no stage of the
+    over its bound (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the head and the backward and
+    forward stages of the last layer (the bound's own case) when that is larger, so that no stage of the
     calibration run is predicted under what it measured. The peak counts as well because it need not be in a
     traced stage (the trace covers the first micro-batch of a step, not the optimizer step or what runs before
     training)."""
@@ -275,8 +275,8 @@ def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[
     n = problem.num_layers
     stored = problem.layer_memory(keep, stash=True)
     bound = stages.bounds(problem.fixed_bytes, problem.workspace_bytes, [stored] * n,
-                          [problem.stage_bytes(keep, stash=True)] * n)
-    first = f"L{n - 1}/"
+                          [problem.stage_bytes(keep, stash=True)] * n, [problem.forward_stages(keep, stash=True)] * n)
+    last = (f"L{n - 1}/", f"F{n - 1}/")
     excess = [s["peak_bytes"] - bound[s["stage"]] for s in traced
-              if s["stage"] == "head" or s["stage"].startswith(first) and s["stage"] in bound]
+              if s["stage"] == "head" or s["stage"].startswith(last) and s["stage"] in bound]
     return int(round(max([peak_bytes - problem.total_memory([keep] * n, stash=True), *excess])))

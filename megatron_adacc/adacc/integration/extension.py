@@ -142,8 +142,9 @@ def _stages_report(stages: list, predicted: dict[str, Any]) -> list[dict[str, An
     per_layer = predicted.get("per_layer") or []
     known: dict[str, float] = {}
     if per_layer and "fixed_bytes" in predicted and all("stage_bytes" in p for p in per_layer):
+        forward = [p["forward_bytes"] for p in per_layer] if all(p.get("forward_bytes") for p in per_layer) else ()
         known = bounds(predicted["fixed_bytes"], predicted.get("workspace_bytes", 0),
-                       [p["activation_bytes"] for p in per_layer], [p["stage_bytes"] for p in per_layer])
+                       [p["activation_bytes"] for p in per_layer], [p["stage_bytes"] for p in per_layer], forward)
     return [{"stage": s.label, "peak_bytes": s.peak_bytes,
              **({"predicted_bytes": int(round(known[s.label]))} if s.label in known else {})} for s in stages]
 

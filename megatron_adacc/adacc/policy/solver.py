@@ -118,7 +118,8 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     policy.predicted["per_layer"] = [
         {"activation_bytes": int(round(problem.layer_memory(p, stash=options.chain_aware))),
          "time_s": problem.layer_time(p, chain_aware=options.chain_aware),
-         "stage_bytes": [int(round(b)) for b in problem.stage_bytes(p, stash=options.chain_aware)]}
+         "stage_bytes": [int(round(b)) for b in problem.stage_bytes(p, stash=options.chain_aware)],
+         "forward_bytes": [int(round(b)) for b in problem.forward_stages(p, stash=options.chain_aware)]}
         for p in result.layer_picks]
     policy.op_costs = op_costs(profile, policy)
     return policy, result

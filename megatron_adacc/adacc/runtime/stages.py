@@ -101,16 +101,21 @@ def transient_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
 
 
 def bounds(fixed_bytes: float, workspace_bytes: float, stored: Sequence[float],
-           stage_bytes: Sequence[Sequence[float]]) -> dict[str, float]:
+           stage_bytes: Sequence[Sequence[float]], forward_bytes: Sequence[Sequence[float]] = ()) -> dict[str, float]:
     """The cost model's bound on each stage a trace reports, by label: ``head`` holds every layer's ``stored``
     bytes beside the workspace; stage s of layer l holds what the layers before it stored beside its own
     ``stage_bytes[l][s]`` (what the cost model's per-stage bound counts for the layer that runs its backward
-    first; later layers have freed theirs)."""
+    first; later layers have freed theirs), and so does op s's forward with ``forward_bytes[l][s]`` (the layers
+    above it have stored nothing yet)."""
     out = {"head": fixed_bytes + sum(stored) + workspace_bytes}
     for layer, per_stage in enumerate(stage_bytes):
         before = fixed_bytes + sum(stored[:layer])
         for name, nbytes in zip(OP_NAMES, per_stage):
             out[f"L{layer}/{name}"] = before + nbytes
+    for layer, per_op in enumerate(forward_bytes):
+        before = fixed_bytes + sum(stored[:layer])
+        for name, nbytes in zip(OP_NAMES, per_op):
+            out[f"F{layer}/{name}"] = before + nbytes
     return out
 
 
