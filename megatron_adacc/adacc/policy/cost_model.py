@@ -50,7 +50,7 @@ as Megatron's full recompute does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -255,7 +255,7 @@ class Problem:
                 out[s] = out.get(s, 0.0) + nbytes
         return out
 
-    def segment_stages(self, a: int, b: int, stored: Mapping[int, Choice] | None, *, stash: bool,
+    def segment_stages(self, a: int, b: int, stored: Mapping[int, Choice], *, stash: bool,
                        rerun: int | None = None) -> StageBytes:
         """Where recompute segment ``a..b`` is live: each op's values from the re-run (at the latest reader of
         any of them) down to its earliest reader; with ``stash`` (the chain-aware model, which counts segment
@@ -269,14 +269,14 @@ class Problem:
         out: StageBytes = {}
         if rerun < 0:  # nothing of the segment is saved: it never re-runs
             return out
-        if stash and stored is not None:
+        if stash:
             out[rerun] = self.rerun_working_set(a, b, stored)
         for k in range(a, b + 1):
             nbytes = self.recompute_choice(k).remat_bytes
             for s, share in self.held_share[k].items():
                 if s <= rerun:
                     out[s] = out.get(s, 0.0) + nbytes * share
-        held = self.segment_memory(a, b, stored) if stash and stored is not None else 0.0
+        held = self.segment_memory(a, b, stored) if stash else 0.0
         if held:
             for s in range(rerun, self.num_ops):
                 out[s] = out.get(s, 0.0) + held
@@ -294,11 +294,9 @@ class Problem:
             if not c.is_recompute:
                 for s, nbytes in self.choice_stages(i, c).items():
                     total[s] += nbytes
-        segs = segments(c.is_recompute for c in chosen)
         working: dict[int, list[float]] = {}  # stage -> working sets of the segments re-running there
         pulled: set[int] = set()  # stages a split read re-runs an earlier segment at
-        for seg, rerun in zip(segs, self.reruns(segs)):
-            stored = _stored_before(chosen, seg.start)
+        for seg, rerun, stored in self._segments(chosen):
             for s, nbytes in self.segment_stages(seg.start, seg.stop - 1, stored, stash=stash, rerun=rerun).items():
                 total[s] += nbytes
             if stash and rerun >= 0:
@@ -308,6 +306,12 @@ class Problem:
         for s in pulled:  # the segments re-run one after the other: one working set at a time
             total[s] -= sum(working[s]) - max(working[s])
         return total
+
+    def _segments(self, chosen: Sequence[Choice]) -> list[tuple[range, int, dict[int, Choice]]]:
+        """Each recompute segment of a layer storing ``chosen``, the stage it re-runs at (-1: never, :meth:`reruns`)
+        and the stored choices before it, by op index."""
+        segs = segments(c.is_recompute for c in chosen)
+        return [(seg, rerun, _stored_before(chosen, seg.start)) for seg, rerun in zip(segs, self.reruns(segs))]
 
     def reruns(self, segs: Sequence[range]) -> list[int]:
         """The stage each of a layer's recompute segments ``segs`` re-runs at (-1: never): that of its latest reader,
@@ -338,12 +342,8 @@ class Problem:
         if self.forward_live is None:
             return []
         chosen = self._chosen(picks)
-        begun: dict[int, float] = {}
-        if stash:
-            segs = segments(c.is_recompute for c in chosen)
-            for seg, rerun in zip(segs, self.reruns(segs)):
-                if rerun >= 0:
-                    begun[seg.start] = self.segment_memory(seg.start, seg.stop - 1, _stored_before(chosen, seg.start))
+        begun = {seg.start: self.segment_memory(seg.start, seg.stop - 1, stored)
+                 for seg, rerun, stored in self._segments(chosen) if rerun >= 0} if stash else {}
         out, held = [], 0.0
         for i, c in enumerate(chosen):
             held += begun.get(i, 0.0)
@@ -357,11 +357,9 @@ class Problem:
         """Bytes one layer holds (eq. 8's sum), plus segment-input stashes when ``stash``."""
         chosen = self._chosen(picks)
         total = sum(c.memory_bytes for c in chosen)
-        if stash:
-            segs = segments(c.is_recompute for c in chosen)
-            for seg, rerun in zip(segs, self.reruns(segs)):
-                if rerun >= 0:  # a segment that never re-runs holds nothing for it (the runtime drops it)
-                    total += self.segment_memory(seg.start, seg.stop - 1, _stored_before(chosen, seg.start))
+        if stash:  # a segment that never re-runs holds nothing for it (the runtime drops it)
+            total += sum(self.segment_memory(seg.start, seg.stop - 1, stored)
+                         for seg, rerun, stored in self._segments(chosen) if rerun >= 0)
         return total
 
     def _chosen(self, picks: Sequence[int]) -> list[Choice]:
@@ -372,11 +370,7 @@ class Problem:
         and nothing else saves (``stored``: their choices by op index, as :meth:`segment_stages` takes them) and,
         with a dropout inside, the RNG states."""
         rng = self.rng_bytes if any(i in self.rng_ops for i in range(a, b + 1)) else 0.0
-        held = 0.0
-        for p, c in stored.items():
-            if p < a and c.stash:
-                held += sum(c.stash[v] for v in self.read_outputs(p, a, b) if v < len(c.stash))
-        return held + rng
+        return rng + sum(_per_output(c.stash, read) for _, c, read in self._reads(a, b, stored))
 
     def rerun_working_set(self, a: int, b: int, stored: Mapping[int, Choice]) -> float:
         """What recompute segment a..b has live only while it re-runs: its inputs at full size beside their stored
@@ -389,24 +383,25 @@ class Problem:
         stored ops before it (``stored``, by op index) that were compressed (decompressed), and of op ``a - 1``
         those the segment changes in place (a copy: softmax masks the scores)."""
         total = 0.0
-        for p, c in stored.items():
-            if p >= a:
-                continue
+        for p, c, read in self._reads(a, b, stored):
             spec = OPS_BY_NAME.get(self.op_names[p]) if p == a - 1 else None
             copies = (c.decision.action == _COMPRESS) + bool(spec is not None and spec.changed_by_reader)
             if copies:
-                total += copies * sum(self.outputs[p][v][1] for v in self.read_outputs(p, a, b))
+                total += copies * sum(self.outputs[p][v][1] for v in read)
         return total
 
-    def read_outputs(self, p: int, a: int, b: int) -> tuple[int, ...]:
-        """Which outputs of op ``p`` (indices into :attr:`outputs`) an op of segment a..b reads."""
-        key = (p, a, b)
-        found = self._read_cache.get(key)
-        if found is None:
-            found = tuple(v for v, (readers, _) in enumerate(self.outputs[p])
-                          if any(a <= r <= b for r in readers))
-            self._read_cache[key] = found
-        return found
+    def _reads(self, a: int, b: int, stored: Mapping[int, Choice]) -> Iterator[tuple[int, Choice, tuple[int, ...]]]:
+        """``(op, choice, outputs)`` for each of the ``stored`` ops before segment a..b whose outputs (indices into
+        :attr:`outputs`) an op of the segment reads."""
+        for p, c in stored.items():
+            if p < a:
+                key = (p, a, b)
+                read = self._read_cache.get(key)
+                if read is None:
+                    read = self._read_cache[key] = tuple(v for v, (readers, _) in enumerate(self.outputs[p])
+                                                         if any(a <= r <= b for r in readers))
+                if read:
+                    yield p, c, read
 
     def carries(self, p: int, choice: Choice, after: int) -> bool:
         """Whether a recompute segment after op ``after`` may hold or decompress an output of op ``p`` stored
@@ -449,9 +444,7 @@ class Problem:
         else:
             cost = self.segment_time(a, b)
         if self.redecompress_segment_input:
-            for p, c in stored.items():
-                if p < a and c.rerun_s:
-                    cost += sum(c.rerun_s[v] for v in self.read_outputs(p, a, b) if v < len(c.rerun_s))
+            cost += sum(_per_output(c.rerun_s, read) for _, c, read in self._reads(a, b, stored))
         return cost
 
     def total_memory(self, layer_picks: Sequence[Sequence[int]], *, stash: bool = False) -> float:
@@ -567,7 +560,7 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
         return problem
     first, *inner, last = [problem.op_names.index(name) for name in TILED_OPS]
     block = (first, *inner, last)
-    rerun = problem.segment_stages(first, last, None, stash=False)
+    rerun = problem.segment_stages(first, last, {}, stash=False)
     working = max(problem.grad_bytes[s] + rerun.get(s, 0.0) for s in block)
     boundary = problem.output_bytes[last] + problem.output_bytes[first - 1]
     grad_bytes = list(problem.grad_bytes)
@@ -639,6 +632,12 @@ def _outputs(profile: LayerProfile) -> list[tuple[tuple[frozenset[int], float], 
     index = {op.name: i for i, op in enumerate(profile.ops)}
     return [tuple((frozenset(index[r] for r in out.readers if r in index), float(out.output_bytes))
                   for out in op.stash) for op in profile.ops]
+
+
+def _per_output(values: tuple[float, ...], read: tuple[int, ...]) -> float:
+    """The sum of a choice's per-output ``values`` (:attr:`Choice.stash`, :attr:`Choice.rerun_s`) over the outputs
+    ``read``; missing ones are 0."""
+    return sum(values[v] for v in read if v < len(values))
 
 
 def _stored_before(chosen: Sequence[Choice], a: int) -> dict[int, Choice]:

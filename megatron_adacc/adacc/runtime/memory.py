@@ -211,10 +211,12 @@ def profile_layer_sizes(
                 env.update(outputs)
                 recorder.produced(op.name, outputs)
         small = small_tensor_numel(layer, hidden_states)
+        readers: dict[str, list[str]] = {}
         for op in ops:
-            _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name], small)
-            sizes[op.name].readers = {out: tuple(o.name for o in ops if out in o.inputs and o is not op)
-                                      for out in sizes[op.name].stash_keep_bytes}
+            for name in op.inputs:
+                readers.setdefault(name, []).append(op.name)
+        for op in ops:
+            _op_sizes(sizes[op.name], op, env, recorder, codecs[op.name], small, readers)
     finally:
         recorder.release()
         env.clear()
@@ -223,8 +225,9 @@ def profile_layer_sizes(
 
 
 def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecorder,
-              codecs: set[CodecKey], small_numel: int) -> None:
-    """Fill one op's sizes from what its forward saved and produced."""
+              codecs: set[CodecKey], small_numel: int, readers: Mapping[str, list[str]]) -> None:
+    """Fill one op's sizes from what its forward saved and produced (``readers``: value name -> the ops that read
+    it)."""
     name = op.name
     tensors = recorder.saved[name]
     saved_ptrs = {storage_ptr(t) for t, _ in tensors.values()}
@@ -243,6 +246,7 @@ def _op_sizes(s: OpSizes, op: Any, env: Mapping[str, Any], recorder: _SavedRecor
             continue
         ptr = storage_ptr(value)
         s.value_bytes[out_name] = value.numel() * value.element_size()
+        s.readers[out_name] = tuple(r for r in readers.get(out_name, ()) if r != name)
         s.stash_keep_bytes[out_name] = 0 if ptr in saved_ptrs else value.untyped_storage().nbytes()
         s.stash_compressed_bytes[out_name] = {
             key: 0 if tensor_key(value) in tensors else _packed_bytes([(value, True)], name, key, small_numel)
