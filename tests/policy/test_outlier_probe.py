@@ -11,6 +11,7 @@ import megatron_adacc
 from megatron_adacc.adacc.integration.evolution import PolicyEvolution
 from megatron_adacc.adacc.integration.outlier_probe import OUTLIER_OPS, OutlierProbe
 from megatron_adacc.adacc.policy import Policy
+from megatron_adacc.adacc.policy.ops import TILED_OPS
 from megatron_adacc.adacc.policy.profile import analytic_profile
 from megatron_adacc.adacc.policy.signature import plain_signature
 from megatron_adacc.codecs.reference import channel_abs_sum, select_outlier_channels
@@ -18,6 +19,7 @@ from megatron_adacc.core.extension import TrainingContext
 from megatron_adacc.testing import build_tiny_gpt, tiny_batch
 
 Z = 3.0
+TILES = 4
 SIG = plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
                       dtype="float32", num_layers=2, megatron_core_version="0.16.1")
 #: A policy whose outlier ops are kept, compressed and recomputed (the runtime's op path), and keep-all (the
@@ -26,6 +28,9 @@ POLICIES = {
     "mixed": Policy.uniform({"input_layernorm": "int4_outlier", "linear_proj": "int4_outlier",
                              "self_attn_bda": "recompute", "activation": "recompute", "softmax": "recompute"}, 2),
     "keep": Policy.all_keep(2),
+    # the MLP re-run in token tiles: the probe runs it in the same tiles and adds up their channel sums
+    "tiled": Policy.uniform({"input_layernorm": "int4_outlier", **{op: f"recompute:tiles={TILES}" for op in TILED_OPS}},
+                            2),
 }
 
 
@@ -108,22 +113,43 @@ def test_the_probe_counts_every_outlier_op_as_the_codec_selects_them(name) -> No
         assert samples[op].outlier_channels == pytest.approx(sum(counts) / len(counts), abs=1e-12), op
         assert samples[op].channels == reference[0][op].shape[-1]
         assert samples[op].shapes == (tuple(reference[0][op].shape),)
-        assert samples[op].compress_time_s > 0 and samples[op].decompress_time_s > 0
+        if name == "tiled" and op in TILED_OPS:  # its outputs existed a slice at a time: not re-timed
+            assert samples[op].compress_time_s is None and samples[op].decompress_time_s is None
+        else:
+            assert samples[op].compress_time_s > 0 and samples[op].decompress_time_s > 0
     assert samples["input_layernorm"].outlier_channels >= 2 and samples["pre_mlp_layernorm"].outlier_channels >= 1
     # the capture is gone: a later measure without a new arm() samples nothing, and no hook is left behind
     assert probe.measure(POLICIES[name]) == {}
     assert not model.decoder._forward_pre_hooks and not model.decoder.layers[0].input_layernorm._forward_pre_hooks
 
 
-def _probe_after_a_step(model: torch.nn.Module) -> OutlierProbe:
-    """A probe armed before one training forward and backward of ``model`` under the mixed policy."""
+def _probe_after_a_step(model: torch.nn.Module, policy: str = "mixed") -> OutlierProbe:
+    """A probe armed before one training forward and backward of ``model`` under ``POLICIES[policy]``."""
     tokens, positions, mask, labels = tiny_batch(batch_size=2, seq_length=32)
-    megatron_adacc.install(model.config, POLICIES["mixed"], predict_memory=False)
+    megatron_adacc.install(model.config, POLICIES[policy], predict_memory=False)
     probe = OutlierProbe(Z, repeats=1)
     probe.setup([model])
     probe.arm()
     model(tokens, positions, mask, labels=labels).float().mean().backward()
     return probe
+
+
+def test_the_probe_runs_a_tiled_mlp_in_the_tiles_training_runs_it_in() -> None:
+    """MKL keeps a buffer for every shape of matrix product it ran until the process ends: a probe running the
+    whole MLP where training runs it in tiles left megabytes allocated at every later step's peak
+    (outlier_probe's module doc). The probe's products have training's shapes."""
+    model = _model(hidden_dropout=0.0, attention_dropout=0.0)
+    rows: dict[str, list[int]] = {"training": [], "probe": []}
+    phase = ["training"]
+    for layer in model.decoder.layers:
+        for module in (layer.mlp.linear_fc1, layer.mlp.linear_fc2):
+            module.register_forward_pre_hook(lambda m, a: rows[phase[0]].append(a[0].shape[0]))
+    probe = _probe_after_a_step(model, "tiled")
+    phase[0] = "probe"
+    samples = probe.measure(POLICIES["tiled"])
+    assert set(rows["training"]) == {32 // TILES} and len(rows["probe"]) == 2 * 2 * TILES
+    assert set(rows["probe"]) == {32 // TILES}
+    assert samples["linear_fc1"].shapes == ((32, 2, model.config.ffn_hidden_size),)
 
 
 def test_the_probe_samples_without_dropout() -> None:

@@ -110,6 +110,17 @@ def _resolve(block: Any, spec: Any) -> Any:
     return policy
 
 
+def layer_tiles(block: Any) -> list[int]:
+    """The token tiles each of ``block``'s layers re-runs its MLP in under the policy installed now (1: none)."""
+    from megatron_adacc.adacc.policy.policy import check_tiles
+
+    spec = getattr(block.config, _CONFIG_ATTR, None)
+    if spec is None:
+        return [1] * len(block.layers)
+    policy = _resolve(block, spec)
+    return [check_tiles(policy.layer_decisions(i)) for i in range(len(block.layers))]
+
+
 # ------------------------------------------------------------------------------------------------ dispatcher
 def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
     from megatron_adacc.adacc.policy.ops import Action

@@ -25,6 +25,14 @@ How, cheaply and without touching training:
   re-times the codec on the real tensors with the profiler's own
   :func:`~megatron_adacc.adacc.integration.profiler.time_codecs` (raw times, as profiles store them). Every
   reference is dropped before it returns.
+* A layer whose policy re-runs its MLP in token tiles (:mod:`megatron_adacc.adacc.runtime.tiled`) is probed in
+  the same tiles, its channel sums added up over them (a sum over rows is one over slices of rows). The
+  probe's matrix products then have the shapes training's have, and no others: MKL keeps a buffer for every
+  shape of product it has run until the process ends, so one untiled ``linear_fc1`` and ``linear_fc2`` of
+  llama-tiny left 19 MiB more allocated (2-3 MiB of it resident) at every later step's peak, which no memory
+  model predicts (measured 2026-11-28: a 418.8 MiB budget, evolution on, peaked at 423 MiB against 419 off).
+  A tiled op's outputs exist only a slice at a time, so its codec times are not re-measured; its profiled ones
+  stay.
 
 The result, per op, is an :class:`OpSample` averaged over the layers of this rank; evolution turns it into the
 profile's units (:mod:`megatron_adacc.adacc.integration.evolution`).
@@ -43,7 +51,7 @@ from typing import Any
 import torch
 
 from megatron_adacc.adacc.integration.profiler import float_outputs, time_codecs
-from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, TILED_OPS
 
 #: The ops whose codec choices depend on outlier statistics: those that offer outlier-separated INT4.
 OUTLIER_OPS: tuple[str, ...] = tuple(spec.name for spec in OPS if OUTLIER_CODEC in spec.codecs)
@@ -91,18 +99,28 @@ class OpSample:
 
 
 # --------------------------------------------------------------------------------------------- statistics
-def outlier_count(x: torch.Tensor, z_threshold: float) -> int | None:
-    """Outlier channels of ``x`` as ``int4_outlier`` selects them exactly (same kernels), or None when ``x`` holds
-    NaN/Inf (such a tensor says nothing about the codec). A tracking iteration's probe: it reads the counts."""
+def channel_sums(x: torch.Tensor) -> torch.Tensor:
+    """``int4_outlier``'s channel absolute sums of ``x`` (same kernels), what its outlier selection reads."""
     from megatron_adacc.codecs._backend import kernels
     from megatron_adacc.codecs.base import rows_cols
-    from megatron_adacc.codecs.reference import select_outlier_channels
 
     rows, cols = rows_cols(x.shape)
-    sums = kernels("auto").channel_abs_sum(x.detach().reshape(rows, cols))
+    return kernels("auto").channel_abs_sum(x.detach().reshape(rows, cols))
+
+
+def outliers_of_sums(sums: torch.Tensor, z_threshold: float) -> int | None:
+    """The outlier channels ``int4_outlier`` selects from channel absolute sums, or None when a sum is NaN/Inf
+    (such a tensor says nothing about the codec)."""
+    from megatron_adacc.codecs.reference import select_outlier_channels
+
     if not bool(torch.isfinite(sums).all()):
         return None
     return int(select_outlier_channels(sums, z_threshold).numel())
+
+
+def outlier_count(x: torch.Tensor, z_threshold: float) -> int | None:
+    """Outlier channels of ``x`` as ``int4_outlier`` selects them exactly, or None when ``x`` holds NaN/Inf."""
+    return outliers_of_sums(channel_sums(x), z_threshold)
 
 
 @dataclass(frozen=True)
@@ -113,13 +131,31 @@ class _LayerStat:
     dtype: torch.dtype
 
 
-def _op_stat(op: Any, env: Mapping[str, Any], z_threshold: float) -> _LayerStat | None:
-    outs = float_outputs(op, env)
-    counts = [outlier_count(x, z_threshold) for x in outs]
-    if not outs or None in counts:
-        return None
-    return _LayerStat(sum(counts), sum(int(x.shape[-1]) for x in outs), tuple(tuple(x.shape) for x in outs),
-                      outs[0].dtype)
+@dataclass
+class _Outputs:
+    """One op's floating-point outputs as their channel sums, added up over the token slices of a tiled run
+    (the slices cut the first dimension, so the full shapes add the slices' first sizes)."""
+
+    sums: list[torch.Tensor]
+    shapes: list[list[int]]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, outs: Sequence[torch.Tensor]) -> _Outputs:
+        return cls([channel_sums(x) for x in outs], [list(x.shape) for x in outs], outs[0].dtype)
+
+    def add(self, more: _Outputs) -> _Outputs:
+        for sums, shape, extra, extra_shape in zip(self.sums, self.shapes, more.sums, more.shapes):
+            sums.add_(extra)
+            shape[0] += extra_shape[0]
+        return self
+
+    def stat(self, z_threshold: float) -> _LayerStat | None:
+        counts = [outliers_of_sums(sums, z_threshold) for sums in self.sums]
+        if None in counts:
+            return None
+        return _LayerStat(sum(counts), sum(shape[-1] for shape in self.shapes),
+                          tuple(tuple(shape) for shape in self.shapes), self.dtype)
 
 
 class _Unsized:
@@ -138,19 +174,59 @@ class LayerInputs:
     hidden_states: torch.Tensor
     attention_mask: torch.Tensor | None
     rotary_pos_emb: Any
+    tiles: Sequence[int] = ()
+    """The token tiles each layer's policy re-runs its MLP in (1: untiled; empty: all untiled)."""
 
 
-def run_layer(ops: Sequence[Any], env: dict, visit: Callable[[Any, dict], None]) -> torch.Tensor:
+#: ``visit``'s last argument: None for an op run whole, ``(k, count)`` for slice ``k`` of a tiled run.
+Part = tuple[int, int] | None
+
+
+def run_layer(ops: Sequence[Any], env: dict, visit: Callable[[Any, dict, Part], None], tiles: int = 1) -> torch.Tensor:
     """Run one layer's ``ops`` on ``env`` (as :func:`~megatron_adacc.adacc.runtime.ops.run_ops`), calling
-    ``visit(op, env)`` after each, and drop every value no later op reads: the probe holds no more than a
-    no-grad forward does. Returns the layer's output."""
+    ``visit(op, env, part)`` after each, and drop every value no later op reads: the probe holds no more than a
+    no-grad forward does. With ``tiles`` > 1 the MLP's token-wise ops run slice by slice, as
+    :class:`~megatron_adacc.adacc.runtime.tiled.TiledMLP`'s forward runs them. Returns the layer's output."""
     last_read = {name: i for i, op in enumerate(ops) for name in op.inputs}
+    tiled = [i for i, op in enumerate(ops) if op.name in TILED_OPS] if tiles > 1 else []
     for i, op in enumerate(ops):
-        env.update(op.run(env))
-        visit(op, env)
+        if i in tiled[1:]:
+            continue
+        if tiled and i == tiled[0]:
+            env.update(_run_tiled([ops[k] for k in tiled], env, tiles, visit))
+            i = tiled[-1]
+        else:
+            env.update(op.run(env))
+            visit(op, env, None)
         for name in [n for n in env if n != "output" and last_read.get(n, -1) <= i]:
             del env[name]
     return env["output"]
+
+
+def _run_tiled(ops: Sequence[Any], env: Mapping[str, Any], tiles: int,
+               visit: Callable[[Any, dict, Part], None]) -> dict[str, Any]:
+    """The MLP's token-wise ``ops`` on ``tiles`` slices of the first one's inputs in turn; the last op's outputs,
+    its tensors assembled from the slices (what the tiled block's forward returns)."""
+    from megatron_adacc.adacc.runtime.tiled import tile_slices
+
+    first = ops[0].inputs
+    length = env[first[0]].size(0)
+    slices = tile_slices(length, tiles)
+    out: dict[str, Any] = {}
+    for k, rows in enumerate(slices):
+        part = {name: env[name][rows] for name in first}
+        for op in ops:
+            part.update(op.run(part))
+            visit(op, part, (k, len(slices)))
+        for name in ops[-1].outputs:
+            value = part[name]
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                if name not in out:
+                    out[name] = value.new_empty((length, *value.shape[1:]))
+                out[name][rows] = value
+            else:
+                out[name] = value
+    return out
 
 
 @dataclass
@@ -162,14 +238,26 @@ class _Sampler:
     log: Callable[[str], None]
     stats: dict[str, list[_LayerStat]] = field(default_factory=dict)
     times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    partial: dict[str, _Outputs] = field(default_factory=dict)
+    """A tiled run's sums so far, per op."""
 
-    def visit(self, op: Any, env: dict, *, timed: bool) -> None:
+    def visit(self, op: Any, env: dict, part: Part, *, timed: bool) -> None:
         if op.name not in OUTLIER_OPS:
             return
-        stat = _op_stat(op, env, self.z_threshold)
+        outs = float_outputs(op, env)
+        if not outs:
+            return
+        seen = _Outputs.of(outs)
+        if part is not None:  # a slice of a tiled run: the stat is the whole run's, after its last slice
+            k, count = part
+            seen = self.partial.pop(op.name).add(seen) if k else seen
+            if k < count - 1:
+                self.partial[op.name] = seen
+                return
+        stat = seen.stat(self.z_threshold)
         if stat is not None:
             self.stats.setdefault(op.name, []).append(stat)
-        if timed:
+        if timed and part is None:
             self._time(op, env)
 
     def _time(self, op: Any, env: dict) -> None:
@@ -234,7 +322,7 @@ def sample_layers(runs: Sequence[LayerInputs], z_threshold: float, *, repeats: i
             for i, layer in enumerate(run.layers):
                 visit = functools.partial(sampler.visit, timed=(r, i) == last)
                 env = initial_env(hidden, run.attention_mask, run.rotary_pos_emb)
-                hidden = run_layer(layer_ops(layer), env, visit)
+                hidden = run_layer(layer_ops(layer), env, visit, tiles=run.tiles[i] if run.tiles else 1)
     return sampler.samples()
 
 
@@ -302,9 +390,11 @@ class _ChunkCapture:
         self._handles = []
 
     def inputs(self) -> LayerInputs | None:
+        from megatron_adacc.adacc.integration.dispatch import layer_tiles
+
         if self.hidden is None or self.context is None:
             return None
-        return LayerInputs(list(self.block.layers), self.hidden, *self.context)
+        return LayerInputs(list(self.block.layers), self.hidden, *self.context, tiles=layer_tiles(self.block))
 
 
 class OutlierProbe:
