@@ -293,3 +293,29 @@ def test_a_profile_is_not_reused_for_a_model_with_another_layer(env, monkeypatch
     other.adacc_profile_db = args.adacc_profile_db
     auto.get_or_make_profile(other, model_lib.transformer_config(other, torch.device("cpu")), log=lambda m: None)
     assert calls == [1]
+
+
+def test_the_calibration_takes_paired_differences_of_alternating_runs() -> None:
+    """The host slows down while the variants are timed (a shared machine does, for seconds at a time): runs in
+    alternating rounds, differenced within a round, still give each variant's own cost. The slow-down is a
+    step of 30 ms (three times the differences sought) from the fourth round on."""
+    import itertools
+
+    from megatron_adacc.adacc.integration.profiler import alternating_rounds
+
+    cost = {"stock": 0.010, "keep": 0.012, "quant": 0.020}
+    calls = itertools.count()
+    clock = {"now": 0.0}
+    names = list(cost)
+
+    def run(name: str) -> None:
+        slow = 0.030 if next(calls) >= len(names) * 4 else 0.0  # the warm-up and three rounds are fast
+        clock["now"] += cost[name] + slow
+
+    rounds = alternating_rounds(run, names, 7, lambda: None, clock=lambda: clock["now"])
+    assert len(rounds) == 7 and all(set(r) == set(names) for r in rounds)
+    for a, b in (("keep", "stock"), ("quant", "keep")):
+        diffs = sorted(r[a] - r[b] for r in rounds)
+        assert diffs[3] == pytest.approx(cost[a] - cost[b], abs=1e-12)
+    # timed one variant after the other, the slow-down would all have gone to the last ones
+    assert max(r["quant"] for r in rounds) == pytest.approx(0.050)

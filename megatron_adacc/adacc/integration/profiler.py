@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,12 +357,23 @@ def sized_op_profile(name: str, forward_s: float, codecs: dict[str, CodecProfile
 _SCALE_RANGE = (0.5, 20.0)
 
 
+#: Rounds of the calibration's alternation (at least; more with more ``repeats``): one run of each variant per
+#: round, the overheads the medians of the rounds' paired differences.
+CALIBRATION_ROUNDS = 7
+
+
 def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[tuple[int, int], float],
               fwd: list[float], repeats: int, sync: Sync) -> tuple[float, float, float, float]:
     """Time one layer's forward + backward under the runtime with every op kept, compressed and recomputed,
     and through megatron's own forward; return (codec scale, recompute scale, stock time, runtime overhead):
     the first two are measured overheads over the sums the cost model would predict from the per-op
-    micro-benchmarks, the last the runtime's fixed cost (keep-all in the runtime against the stock layer)."""
+    micro-benchmarks, the last the runtime's fixed cost (keep-all in the runtime against the stock layer).
+
+    The four variants run in alternating rounds, and each overhead is the median over the rounds of the
+    difference between two runs of one round. Timed one variant after the other, a host that slows down for a
+    few seconds (a shared machine does) charged it all to one variant: two profiles of cpu-large's layer made
+    minutes apart on one host read codec times x20 (the clamp) with no runtime overhead, and x0.5 with 53 ms of
+    it, and the solver then never compressed, or compressed everything."""
     from megatron.core.tensor_parallel.random import _fork_rng
 
     from megatron_adacc.adacc.policy.policy import Policy
@@ -380,16 +391,17 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
         out.backward(torch.ones_like(out))
         layer.zero_grad(set_to_none=True)
 
-    def timed(policy: Policy | None) -> float:
-        decisions = policy.layer_decisions(0) if policy is not None else None
-        with _fork_rng():
-            return _timed(lambda: step(decisions), max(3, repeats), sync)
-
-    stock = timed(None)
-    keep = timed(Policy.all_keep(1))
-    quant = timed(Policy.quantize_all(1))
-    recompute = timed(Policy.preset("all-recompute", 1))
-    quant_policy = Policy.quantize_all(1).layer_decisions(0)
+    variants = {"stock": None, "keep": Policy.all_keep(1).layer_decisions(0),
+                "quant": Policy.quantize_all(1).layer_decisions(0),
+                "recompute": Policy.preset("all-recompute", 1).layer_decisions(0)}
+    with _fork_rng():  # dropout draws here must not move the training's random streams
+        rounds = alternating_rounds(lambda name: step(variants[name]), list(variants),
+                                    max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
+    stock = statistics.median(r["stock"] for r in rounds)
+    keep_over_stock, quant_over_keep, recompute_over_keep = (
+        statistics.median(r[a] - r[b] for r in rounds)
+        for a, b in (("keep", "stock"), ("quant", "keep"), ("recompute", "keep")))
+    quant_policy = variants["quant"]
     modeled_codec = sum(op.codecs[d.codec].compress_time_s + op.codecs[d.codec].decompress_time_s
                         for op, d in ((op, quant_policy[op.name]) for op in op_profiles)
                         if d.action == Action.COMPRESS and d.codec in op.codecs)
@@ -400,8 +412,32 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
     def scale(measured: float, modeled: float) -> float:
         return 1.0 if modeled <= 0 else min(hi, max(lo, measured / modeled))
 
-    return (scale(quant - keep, modeled_codec), scale(recompute - keep, modeled_recompute), stock,
-            max(0.0, keep - stock))
+    return (scale(quant_over_keep, modeled_codec), scale(recompute_over_keep, modeled_recompute), stock,
+            max(0.0, keep_over_stock))
+
+
+def alternating_rounds(run: Callable[[str], Any], names: Sequence[str], rounds: int, sync: Sync,
+                       clock: Callable[[], float] = time.perf_counter) -> list[dict[str, float]]:
+    """Wall times of ``run(name)`` for every name, one run each per round, the names in turn, after one warm-up
+    of each: ``[{name: seconds}]`` per round, so that differences are taken between runs moments apart."""
+    for name in names:
+        run(name)
+    sync()
+    out = []
+    for _ in range(rounds):
+        times = {}
+        for name in names:
+            t0 = clock()
+            run(name)
+            sync()
+            times[name] = clock() - t0
+        out.append(times)
+    if _NOISE:
+        noise = _NOISE[-1]
+        for name in names:
+            noise.measurements += 1
+            noise.unstable += spread([r[name] for r in out]) > STABLE_SPREAD
+    return out
 
 
 @dataclass

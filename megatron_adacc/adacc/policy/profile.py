@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 """The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
 them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
 mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
@@ -24,7 +24,9 @@ the runtime's fixed per-layer cost, and times ``step_time_s`` through megatron's
 small tensors and fed them tensors in memory order; 6 added each op's ``forward_bytes``; 7 split each op's stash
 by output, with the ops reading each (``stash``), so a segment that reads an output past the ops between them
 (the attention's q, k and v) holds it too; 8 kept the codec times of an op that saves nothing (they are measured
-on its outputs, which a segment's stash compresses), which earlier versions zeroed."""
+on its outputs, which a segment's stash compresses), which earlier versions zeroed; 9 calibrates codec and
+recompute times and the runtime's overhead from alternating runs (earlier ones, timed one variant after the other,
+could read a host's slow-down as any of them)."""
 
 
 @dataclass
