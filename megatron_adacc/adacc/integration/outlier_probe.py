@@ -188,18 +188,18 @@ def run_layer(ops: Sequence[Any], env: dict, visit: Callable[[Any, dict, Part], 
     no-grad forward does. With ``tiles`` > 1 the MLP's token-wise ops run slice by slice, as
     :class:`~megatron_adacc.adacc.runtime.tiled.TiledMLP`'s forward runs them. Returns the layer's output."""
     last_read = {name: i for i, op in enumerate(ops) for name in op.inputs}
-    tiled = [i for i, op in enumerate(ops) if op.name in TILED_OPS] if tiles > 1 else []
-    for i, op in enumerate(ops):
-        if i in tiled[1:]:
-            continue
+    tiled = [i for i, op in enumerate(ops) if op.name in TILED_OPS] if tiles > 1 else []  # consecutive ops
+    i = 0
+    while i < len(ops):
         if tiled and i == tiled[0]:
-            env.update(_run_tiled([ops[k] for k in tiled], env, tiles, visit))
+            env.update(_run_tiled(ops[i:tiled[-1] + 1], env, tiles, visit))
             i = tiled[-1]
         else:
-            env.update(op.run(env))
-            visit(op, env, None)
+            env.update(ops[i].run(env))
+            visit(ops[i], env, None)
         for name in [n for n in env if n != "output" and last_read.get(n, -1) <= i]:
             del env[name]
+        i += 1
     return env["output"]
 
 
