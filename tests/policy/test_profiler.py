@@ -61,6 +61,9 @@ def test_profile_measures_every_op(env) -> None:
     # the runtime's own cost (keep-all in the runtime against megatron's forward), kept through JSON
     assert 0 <= profile.runtime_overhead_s < profile.step_time_s
     assert LayerProfile.from_json(profile.to_json()).runtime_overhead_s == profile.runtime_overhead_s
+    # the tiled MLP re-run's cost per further tile (default 8 tiles), kept through JSON
+    assert 0 <= profile.tile_overhead_s < profile.step_time_s
+    assert LayerProfile.from_json(profile.to_json()).tile_overhead_s == profile.tile_overhead_s
 
 
 def test_the_sample_is_the_model_and_batch_adacc_train_builds(env) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, Action
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, TILED_OPS, Action
 from megatron_adacc.adacc.policy.policy import DEFAULT_CODEC_PARAMS
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile, OpProfile, StashedOutput
 from megatron_adacc.adacc.policy.signature import model_signature
@@ -416,6 +416,31 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
             max(0.0, keep_over_stock))
 
 
+def tile_overhead(layer: torch.nn.Module, ln2: torch.Tensor, tiles: int, repeats: int, sync: Sync) -> float:
+    """The tiled MLP re-run's cost per tile beyond the first (:attr:`LayerProfile.tile_overhead_s`): its block's
+    forward + backward in ``tiles`` tiles against the same block in one, in alternating rounds, on
+    ``pre_mlp_layernorm``'s output ``ln2``. 0 for ``tiles`` < 2."""
+    from megatron.core.tensor_parallel.random import _fork_rng
+
+    from megatron_adacc.adacc.runtime.ops import dataflow
+    from megatron_adacc.adacc.runtime.tiled import tiled_mlp
+
+    if tiles < 2:
+        return 0.0
+    rows = {row[0]: row for row in dataflow(layer).table}
+    fns = tuple(rows[name][3] for name in TILED_OPS)
+
+    def run(name: str) -> None:
+        x = ln2.detach().requires_grad_(True)
+        out = tiled_mlp(layer, x, tiles if name == "tiled" else 1, fns)["fc2_out"]
+        out.backward(torch.ones_like(out))
+        layer.zero_grad(set_to_none=True)
+
+    with _fork_rng():
+        rounds = alternating_rounds(run, ["whole", "tiled"], max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
+    return max(0.0, statistics.median(r["tiled"] - r["whole"] for r in rounds) / (tiles - 1))
+
+
 def alternating_rounds(run: Callable[[str], Any], names: Sequence[str], rounds: int, sync: Sync,
                        clock: Callable[[], float] = time.perf_counter) -> list[dict[str, float]]:
     """Wall times of ``run(name)`` for every name, one run each per round, the names in turn, after one warm-up
@@ -449,6 +474,7 @@ class _Measured:
     forward_s: list[float]
     segments: dict[tuple[int, int], float]
     calibration: tuple[float, float, float, float]  # what calibrate() returns
+    tile_overhead_s: float = 0.0
 
 
 def profile_layer(sample: LayerSample, args: Any, config: Any, *, device: torch.device | str | None = None,
@@ -493,8 +519,9 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
     log("profile: per-op saved and compressed bytes")
     sizes, keys = measure_sizes(sample, codec_keys(args), log)
     ops = layer_ops(sample.layer)
-    # One bar over every timed measurement: op forwards, segments, codecs, the calibration, op backwards.
-    with progress(total=3 * len(ops) + segment_count(len(ops), max_segment_ops) + 1, desc="profile",
+    # One bar over every timed measurement: op forwards, segments, codecs, the calibration, the tiled MLP, op
+    # backwards.
+    with progress(total=3 * len(ops) + segment_count(len(ops), max_segment_ops) + 2, desc="profile",
                   unit="step") as bar:
         with _fork_rng(), torch.enable_grad():
             env = initial_env(sample.hidden.detach().requires_grad_(True), sample.mask, sample.rope)
@@ -515,6 +542,10 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
         codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
         log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
             f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
+        tiles = int(getattr(args, "adacc_mlp_tiles", 8) or 1)
+        per_tile = tile_overhead(sample.layer, env["ln2"], tiles, repeats, sync)
+        bar.update()
+        log(f"profile: an MLP re-run in {tiles} tiles costs {per_tile * 1e3:.2f} ms per tile beyond the first")
         # last: measuring memory on the CPU sets the allocator to return what is freed, which slows allocation
         log("profile: memory of each op's forward and backward")
         with _fork_rng():
@@ -524,7 +555,7 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
                     profiled.grad_bytes = measured
                 profiled.forward_bytes = forward_transient(op, env, device, repeats)
                 bar.update()
-    measured = _Measured(sizes, op_profiles, fwd, segments, calibration)
+    measured = _Measured(sizes, op_profiles, fwd, segments, calibration, per_tile)
     return charge_static(_layer_profile(args, signature, device, measured, repeats), args, config)
 
 
@@ -541,7 +572,7 @@ def _layer_profile(args: Any, signature: dict[str, Any], device: torch.device, m
         segment_times_s=segments,
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
         step_time_s=keep_step, codec_time_scale=codec_scale, recompute_time_scale=recompute_scale,
-        runtime_overhead_s=runtime_overhead,
+        runtime_overhead_s=runtime_overhead, tile_overhead_s=measured.tile_overhead_s,
         source="measured",
         meta={"repeats": repeats, "torch": torch.__version__},
     )

@@ -127,6 +127,8 @@ class Problem:
     runtime_overhead_s: float = 0.0
     """Fixed time of a layer that runs through the runtime's op decomposition; a layer that keeps every
     activation runs megatron's own forward and does not pay it."""
+    tile_overhead_s: float = 0.0
+    """Time a tiled MLP re-run pays per tile beyond the first (:attr:`LayerProfile.tile_overhead_s`)."""
     op_names: list[str] | None = None
     """Defaults to the transformer layer's ops when there are 13 choice lists, else ``op0, op1, ...``."""
     consumers: list[StageBytes] | None = None
@@ -533,6 +535,7 @@ def build_problem(profile: LayerProfile, budget_bytes: float | None, *, codecs: 
         per_tensor=per_tensor,
         redecompress_segment_input=redecompress_segment_input,
         runtime_overhead_s=float(profile.runtime_overhead_s),
+        tile_overhead_s=float(profile.tile_overhead_s),
         consumers=_by_index(profile, "consumers"),
         freed=_by_index(profile, "freed"),
         grad_bytes=[float(op.grad_bytes) for op in profile.ops],
@@ -554,8 +557,8 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
     re-run's largest stage (its values and gradients) over ``tiles``, and its weights' gradients twice (``param_bytes``
     each): their sum over the tiles and the tile's own, which autograd hands back together at the tile's end. Its
     forward holds its input and whole output beside the largest of its ops' forwards over ``tiles``. It stores
-    nothing; an op output of it that a later segment stores is held as kept. Its time is the untiled re-run's
-    (the same arithmetic, in ``tiles`` calls)."""
+    nothing; an op output of it that a later segment stores is held as kept. Its time is the untiled re-run's (the
+    same arithmetic) plus the measured cost of each further tile's calls (:func:`tiled_block_time`)."""
     if tiles < 2:
         return problem
     first, *inner, last = [problem.op_names.index(name) for name in TILED_OPS]
@@ -578,7 +581,7 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
     for i in block[:-1]:
         output_bytes[i] = 0.0
     keep = [next((c for c in problem.choices[i] if c.decision.action == _KEEP), None) for i in block]
-    time_s = tiled_block_time(problem)
+    time_s = tiled_block_time(problem, tiles)
     choices = list(problem.choices)
     for i, kept in zip(block, keep):
         choices[i] = [Choice(Decision.recompute(tiles), 0.0, time_s if i == last else 0.0,
@@ -596,9 +599,11 @@ def tile_mlp(problem: Problem, tiles: int, param_bytes: float) -> Problem:
                    freed=[moved(f) if i not in block else {} for i, f in enumerate(problem.freed)])
 
 
-def tiled_block_time(problem: Problem) -> float:
-    """Time of one tiled MLP re-run under ``problem`` (untiled): its ops' as one segment."""
-    return problem.segment_time(problem.op_names.index(TILED_OPS[0]), problem.op_names.index(TILED_OPS[-1]))
+def tiled_block_time(problem: Problem, tiles: int) -> float:
+    """Time of one MLP re-run in ``tiles`` tiles under ``problem`` (untiled): its ops' as one segment, and
+    :attr:`Problem.tile_overhead_s` for each tile beyond the first."""
+    untiled = problem.segment_time(problem.op_names.index(TILED_OPS[0]), problem.op_names.index(TILED_OPS[-1]))
+    return untiled + (tiles - 1) * problem.tile_overhead_s
 
 
 def _rng_ops(profile: LayerProfile) -> frozenset[str]:

@@ -26,7 +26,8 @@ by output, with the ops reading each (``stash``), so a segment that reads an out
 (the attention's q, k and v) holds it too; 8 kept the codec times of an op that saves nothing (they are measured
 on its outputs, which a segment's stash compresses), which earlier versions zeroed; 9 calibrates codec and
 recompute times and the runtime's overhead from alternating runs (earlier ones, timed one variant after the other,
-could read a host's slow-down as any of them)."""
+could read a host's slow-down as any of them), and measures the tiled MLP re-run's cost per tile
+(``tile_overhead_s``)."""
 
 
 @dataclass
@@ -161,6 +162,10 @@ class LayerProfile:
     """Fixed cost of running one layer's forward + backward through Adacc's op decomposition instead of
     megatron's own forward (measured: the runtime keeping everything against the stock layer). A layer whose
     policy keeps every activation runs the stock forward and does not pay it."""
+    tile_overhead_s: float = 0.0
+    """What re-running the MLP in token tiles (:mod:`megatron_adacc.adacc.runtime.tiled`) costs per tile beyond
+    the first, over the untiled re-run (measured: the tiled block's forward + backward against one tile's). The
+    arithmetic is the same; each tile's calls and autograd pass are not, and on a small layer they dominate."""
     source: str = "measured"
     """``measured`` (the profiler), ``analytic`` (shape formulas) or ``synthetic`` (tests)."""
     created_at: float = field(default_factory=time.time)
@@ -200,6 +205,7 @@ class LayerProfile:
             "codec_time_scale": self.codec_time_scale,
             "recompute_time_scale": self.recompute_time_scale,
             "runtime_overhead_s": self.runtime_overhead_s,
+            "tile_overhead_s": self.tile_overhead_s,
             "source": self.source,
             "created_at": self.created_at,
             "meta": dict(self.meta),
@@ -221,6 +227,7 @@ class LayerProfile:
             codec_time_scale=float(obj.get("codec_time_scale", 1.0)),
             recompute_time_scale=float(obj.get("recompute_time_scale", 1.0)),
             runtime_overhead_s=float(obj.get("runtime_overhead_s", 0.0)),
+            tile_overhead_s=float(obj.get("tile_overhead_s", 0.0)),
             created_at=float(obj.get("created_at", 0.0)), meta=dict(obj.get("meta", {})),
         )
 

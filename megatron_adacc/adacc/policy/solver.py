@@ -93,7 +93,7 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
             failed.append(e)
             continue
         # every layer of a tiled policy re-runs its MLP: no faster than an untiled one that costs no more
-        if tiles == 1 and solved[0][1].predicted_time_s <= problem.num_layers * tiled_block_time(problem):
+        if tiles == 1 and solved[0][1].predicted_time_s <= problem.num_layers * tiled_block_time(problem, tiling):
             break
     if not solved:
         e = min(failed, key=lambda e: e.min_feasible_bytes)
