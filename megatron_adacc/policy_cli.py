@@ -350,7 +350,8 @@ def render_profile(profile: LayerProfile) -> str:
         f"workspace {_fmt_bytes(profile.workspace_bytes)}. "
         f"Times below are micro-benchmarks; in the runtime the cost model scales codec times by "
         f"{profile.codec_time_scale:.2f} and recompute times by {profile.recompute_time_scale:.2f}, and charges "
-        f"{_fmt_ms(profile.runtime_overhead_s)} per layer that does not keep everything (the runtime's own cost).",
+        f"{_fmt_ms(profile.runtime_overhead_s)} per layer that does not keep everything (the runtime's own cost) "
+        f"and {_fmt_ms(profile.tile_overhead_s)} per tile beyond the first of an MLP re-run in tiles.",
         WIDTH))
     return head + "\n\n" + format_table(["op", "smallest codec", "saved", "recompute", "crate", "c+dc time"], rows,
                                         right=range(2, 6))
