@@ -322,3 +322,27 @@ def test_the_calibration_takes_paired_differences_of_alternating_runs() -> None:
         assert diffs[3] == pytest.approx(cost[a] - cost[b], abs=1e-12)
     # timed one variant after the other, the slow-down would all have gone to the last ones
     assert max(r["quant"] for r in rounds) == pytest.approx(0.050)
+
+
+def test_a_calibration_run_solves_a_bounded_problem_as_the_user_s_run_does(monkeypatch) -> None:
+    """The calibration run keeps everything, which its solver answers without the MILP; the user's run and its
+    evolution's re-solves run the MILP, whose backend then holds code and memory the baseline must count
+    (measured on tiny: 1.5 MiB of HiGHS's library). So the calibration also solves, and discards, a problem
+    with a budget strictly between the least feasible and keeping everything."""
+    from megatron_adacc.adacc.integration import auto
+    from megatron_adacc.adacc.policy import solver
+    from megatron_adacc.adacc.policy.profile import analytic_profile
+    from megatron_adacc.adacc.policy.signature import plain_signature
+
+    profile = analytic_profile(plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                                               seq_length=32, micro_batch_size=2, dtype="float32", num_layers=2,
+                                               megatron_core_version="0.16.1"))
+    options = solver.SolveOptions()
+    seen = []
+    real = solver.solve_policy
+    monkeypatch.setattr(solver, "solve_policy", lambda p, budget, o, **kw: seen.append(budget) or real(p, budget, o))
+    auto._solve_bounded(profile, options)
+    problem = solver.make_problem(profile, None, options)
+    low = problem.min_feasible_budget(stash=True, heterogeneous=options.heterogeneous)
+    high = problem.total_memory([problem.stock_picks()] * problem.num_layers, stash=True)
+    assert len(seen) == 1 and low < seen[0] < high

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -132,7 +133,25 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
         args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
     options = SolveOptions.from_args(args)
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
+    if getattr(args, CALIBRATION_RUN, False):
+        _solve_bounded(profile, options)
     return on_rank0(lambda: solve_stages(layer, ref, args, config, budget, options, log))
+
+
+def _solve_bounded(profile: LayerProfile, options: SolveOptions) -> None:
+    """Solve, and discard, the problem at a budget halfway between the least feasible and keeping everything.
+
+    A calibration run solves under a budget everything fits, which its solver answers without running the MILP,
+    so its process never holds the MILP backend's code and working memory that the user's run, and each of its
+    evolution's re-solves, hold. Measured on tiny at 440 MiB: 1.5 MiB more of HiGHS's library resident after
+    the user's solve than after the calibration's, of the 4-5 MiB by which its process outgrew the baseline."""
+    from megatron_adacc.adacc.policy.solver import make_problem, solve_policy
+
+    problem = make_problem(profile, None, options)
+    low = problem.min_feasible_budget(stash=True, heterogeneous=options.heterogeneous)
+    high = problem.total_memory([problem.stock_picks()] * problem.num_layers, stash=True)
+    if high > low:
+        solve_policy(profile, (low + high) / 2, replace(options, headroom=0.0))
 
 
 def solve_stages(layer: LayerProfile, ref: dict[str, Any], args: Any, config: Any, budget: float,
