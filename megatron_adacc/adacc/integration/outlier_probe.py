@@ -118,11 +118,6 @@ def outliers_of_sums(sums: torch.Tensor, z_threshold: float) -> int | None:
     return int(select_outlier_channels(sums, z_threshold).numel())
 
 
-def outlier_count(x: torch.Tensor, z_threshold: float) -> int | None:
-    """Outlier channels of ``x`` as ``int4_outlier`` selects them exactly, or None when ``x`` holds NaN/Inf."""
-    return outliers_of_sums(channel_sums(x), z_threshold)
-
-
 @dataclass(frozen=True)
 class _LayerStat:
     outlier_channels: int

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, TILED_OPS, Action
+from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC, Action
 from megatron_adacc.adacc.policy.policy import DEFAULT_CODEC_PARAMS
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile, OpProfile, StashedOutput
 from megatron_adacc.adacc.policy.signature import model_signature
@@ -399,8 +399,7 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
                                     max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
     stock = statistics.median(r["stock"] for r in rounds)
     keep_over_stock, quant_over_keep, recompute_over_keep = (
-        statistics.median(r[a] - r[b] for r in rounds)
-        for a, b in (("keep", "stock"), ("quant", "keep"), ("recompute", "keep")))
+        paired_median(rounds, a, b) for a, b in (("keep", "stock"), ("quant", "keep"), ("recompute", "keep")))
     quant_policy = variants["quant"]
     modeled_codec = sum(op.codecs[d.codec].compress_time_s + op.codecs[d.codec].decompress_time_s
                         for op, d in ((op, quant_policy[op.name]) for op in op_profiles)
@@ -422,13 +421,12 @@ def tile_overhead(layer: torch.nn.Module, ln2: torch.Tensor, tiles: int, repeats
     ``pre_mlp_layernorm``'s output ``ln2``. 0 for ``tiles`` < 2."""
     from megatron.core.tensor_parallel.random import _fork_rng
 
-    from megatron_adacc.adacc.runtime.ops import dataflow
+    from megatron_adacc.adacc.runtime.ops import mlp_functions
     from megatron_adacc.adacc.runtime.tiled import tiled_mlp
 
     if tiles < 2:
         return 0.0
-    rows = {row[0]: row for row in dataflow(layer).table}
-    fns = tuple(rows[name][3] for name in TILED_OPS)
+    fns = mlp_functions(layer)
 
     def run(name: str) -> None:
         x = ln2.detach().requires_grad_(True)
@@ -438,7 +436,12 @@ def tile_overhead(layer: torch.nn.Module, ln2: torch.Tensor, tiles: int, repeats
 
     with _fork_rng():
         rounds = alternating_rounds(run, ["whole", "tiled"], max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
-    return max(0.0, statistics.median(r["tiled"] - r["whole"] for r in rounds) / (tiles - 1))
+    return max(0.0, paired_median(rounds, "tiled", "whole") / (tiles - 1))
+
+
+def paired_median(rounds: Sequence[dict[str, float]], a: str, b: str) -> float:
+    """The median over :func:`alternating_rounds`' rounds of ``a``'s time minus ``b``'s in the same round."""
+    return statistics.median(r[a] - r[b] for r in rounds)
 
 
 def alternating_rounds(run: Callable[[str], Any], names: Sequence[str], rounds: int, sync: Sync,

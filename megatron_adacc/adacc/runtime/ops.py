@@ -403,6 +403,12 @@ def dataflow(layer: torch.nn.Module) -> Dataflow:
     return DATAFLOWS[kind]
 
 
+def mlp_functions(layer: torch.nn.Module) -> tuple[Callable[..., dict[str, Any]], ...]:
+    """The op functions of the MLP's token-wise ops (:data:`TILED_OPS`), what :func:`.tiled.tiled_mlp` runs."""
+    rows = {row[0]: row for row in dataflow(layer).table}
+    return tuple(rows[name][3] for name in TILED_OPS)
+
+
 def layer_ops(layer: torch.nn.Module, tiles: int = 1) -> list[LayerOp]:
     """The 14 ops of ``layer`` in forward order (see the module docstring for their dataflow).
 
@@ -412,7 +418,7 @@ def layer_ops(layer: torch.nn.Module, tiles: int = 1) -> list[LayerOp]:
     table = dataflow(layer).table
     if tiles > 1:
         rows = {row[0]: row for row in table}
-        block = functools.partial(tiled_mlp, tiles=tiles, ops=tuple(rows[name][3] for name in TILED_OPS))
+        block = functools.partial(tiled_mlp, tiles=tiles, ops=mlp_functions(layer))
         tiled = {TILED_OPS[0]: (TILED_OPS[0], (), (), _nothing), TILED_OPS[1]: (TILED_OPS[1], (), (), _nothing),
                  TILED_OPS[2]: (TILED_OPS[2], rows[TILED_OPS[0]][1], rows[TILED_OPS[2]][2], block)}
         table = tuple(tiled.get(row[0], row) for row in table)
