@@ -78,9 +78,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "bytes on CUDA, of resident memory on the CPU (docs/choosing-a-budget.md). Default: 90%% "
                         "of what the GPU has beyond the CUDA context and other processes; the CPU's available "
                         "RAM.")
-    g.add_argument("--adacc-memory-headroom", type=_HEADROOM, default=0.01, metavar="FRACTION",
+    g.add_argument("--adacc-memory-headroom", type=_HEADROOM, default=None, metavar="FRACTION",
                    help="Fraction of the budget the solver leaves free for what its cost model does not see "
-                        "(allocator fragmentation, run-to-run variation of the peak). Default 0.01.")
+                        "(allocator fragmentation, run-to-run variation of the peak). Default: 0.01, and at "
+                        "least 8 MiB; a fraction given here is taken as it is.")
     g.add_argument("--adacc-process-baseline", dest="adacc_process_baseline_bytes", type=parse_positive_bytes,
                    default=None, metavar="BYTES",
                    help="Memory the process holds besides what the cost model counts (CPU: interpreter, "

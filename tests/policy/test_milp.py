@@ -420,6 +420,33 @@ def test_headroom_keeps_a_fraction_of_the_budget_free_and_names_the_budget_it_ne
         solve_policy(prof, budget, SolveOptions(headroom=1.5))
 
 
+def test_headroom_has_a_floor_in_bytes_unless_the_run_names_a_fraction() -> None:
+    """What the cost model does not see is partly a fixed amount, so a small budget keeps at least
+    HEADROOM_FLOOR_BYTES free by default; an explicit --adacc-memory-headroom is taken as it is."""
+    from types import SimpleNamespace
+
+    from megatron_adacc.adacc.policy.solver import HEADROOM_FLOOR_BYTES, SolveOptions, solve_policy
+
+    default = SolveOptions.from_args(SimpleNamespace(adacc_memory_headroom=None))
+    assert (default.headroom, default.headroom_min_bytes) == (0.01, HEADROOM_FLOOR_BYTES)
+    assert default.usable_bytes(400 * 2**20) == 392 * 2**20  # 1% would be 4 MiB
+    assert default.usable_bytes(2**30) == 0.99 * 2**30  # from 800 MiB up the fraction is larger
+    named = SolveOptions.from_args(SimpleNamespace(adacc_memory_headroom=0.01))
+    assert named.headroom_min_bytes == 0 and named.usable_bytes(400 * 2**20) == 0.99 * 400 * 2**20
+
+    prof = analytic_profile(SIG)
+    probe = build_problem(prof, None)
+    lo = probe.min_feasible_budget(stash=True, heterogeneous=True)
+    hi = probe.total_memory([[0] * probe.num_ops] * probe.num_layers, stash=True)
+    floor = 0.25 * (hi - lo)
+    options = SolveOptions(headroom=0.01, headroom_min_bytes=floor)
+    _, result = solve_policy(prof, hi, options)
+    assert result.predicted_memory_bytes <= hi - floor
+    with pytest.raises(InfeasibleBudgetError, match="at least") as info:
+        solve_policy(prof, lo + floor / 2, options)
+    assert info.value.min_feasible_bytes == math.ceil(lo + floor)
+
+
 def test_no_outlier_separation_swaps_outlier_int4_for_per_token_int4_and_nothing_else() -> None:
     """The paper's "Adacc w/o outlier" ablation: the same MILP, with plain per-token INT4 offered wherever the
     layer-specific codec is outlier-separated INT4."""

@@ -151,7 +151,7 @@ def _solve_bounded(profile: LayerProfile, options: SolveOptions) -> None:
     low = problem.min_feasible_budget(stash=True, heterogeneous=options.heterogeneous)
     high = problem.total_memory([problem.stock_picks()] * problem.num_layers, stash=True)
     if high > low:
-        solve_policy(profile, (low + high) / 2, replace(options, headroom=0.0))
+        solve_policy(profile, (low + high) / 2, replace(options, headroom=0.0, headroom_min_bytes=0.0))
 
 
 def solve_stages(layer: LayerProfile, ref: dict[str, Any], args: Any, config: Any, budget: float,

@@ -182,7 +182,7 @@ class Planner:
     @property
     def usable_bytes(self) -> float:
         """What a plan may fill: the budget less the solver's headroom (the same test for every method)."""
-        return self.budget_bytes * (1.0 - self.options.headroom)
+        return self.options.usable_bytes(self.budget_bytes)
 
     def profile(self, micro_batch: int, timed: bool = True) -> LayerProfile:
         """The planned profile for ``micro_batch`` (:func:`~.profile.planned_profile`), made once."""

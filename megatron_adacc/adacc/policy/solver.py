@@ -12,6 +12,12 @@ from megatron_adacc.adacc.policy.policy import Policy, check_tiles
 from megatron_adacc.adacc.policy.profile import LayerProfile, mlp_weight_bytes
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError, SolveResult, solve
 
+#: The least headroom of a run that names no ``--adacc-memory-headroom``. On tiny (440 MiB, cold profile
+#: cache, evolution on, 100 steps) the peak exceeded the prediction by up to 5.5 MiB, 1.3%: heap and code pages
+#: that a compressing policy and evolution's switches touch and the keep-everything calibration does not
+#: (benchmarks/README.md). Budgets from 800 MiB up keep 1% or more, so only small CPU budgets see the floor.
+HEADROOM_FLOOR_BYTES = 8 * 2**20
+
 
 @dataclass
 class SolveOptions:
@@ -33,14 +39,32 @@ class SolveOptions:
     """Fraction of the budget the solver leaves free for what the cost model does not see (allocator
     fragmentation, run-to-run variation of the peak). Measured peaks on the CPU came within 0.6% of the
     model's prediction (benchmarks/README.md), hence 1%."""
+    headroom_min_bytes: float = 0.0
+    """Bytes the solver leaves free at least, whatever the fraction: what the cost model does not see is partly
+    a fixed amount (heap and code pages that a compressing policy, its evolution's probes and switches touch),
+    which 1% of a small budget does not cover. :meth:`from_args` sets :data:`HEADROOM_FLOOR_BYTES` when the run
+    names no ``--adacc-memory-headroom``; a named fraction is taken as it is."""
     mlp_tiles: int = 8
     """Besides the policies that re-run the MLP whole, the solver weighs those that re-run it in this many token
     tiles (:func:`~.cost_model.tile_mlp`) and takes them where they are faster or the only ones that fit. 1: no
     tiling (every gradient then equals stock Megatron's bit for bit under a lossless policy; tiling sums the MLP's
     weight gradients over the tiles, equal up to float rounding)."""
 
+    def usable_bytes(self, budget_bytes: float) -> float:
+        """What a policy may fill of ``budget_bytes``: the budget less the headroom."""
+        return budget_bytes - max(budget_bytes * self.headroom, self.headroom_min_bytes)
+
+    def needed_budget(self, usable: float) -> int:
+        """The smallest budget whose :meth:`usable_bytes` is ``usable``."""
+        return int(math.ceil(max(usable / (1.0 - self.headroom), usable + self.headroom_min_bytes)))
+
+    def headroom_text(self) -> str:
+        floor = f", at least {self.headroom_min_bytes / 2**20:g} MiB" if self.headroom_min_bytes else ""
+        return f"{self.headroom:.0%} headroom{floor}"
+
     @classmethod
     def from_args(cls, args: Any) -> SolveOptions:
+        headroom = getattr(args, "adacc_memory_headroom", None)
         return cls(chain_aware=getattr(args, "adacc_chain_aware", True),
                    heterogeneous=getattr(args, "adacc_heterogeneous", True),
                    codecs=getattr(args, "adacc_codecs", "default") or "default",
@@ -48,7 +72,8 @@ class SolveOptions:
                    outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0,
                    outlier_separation=not getattr(args, "adacc_no_outlier_separation", False),
                    process_baseline_bytes=float(getattr(args, "adacc_process_baseline_bytes", 0.0) or 0.0),
-                   headroom=float(getattr(args, "adacc_memory_headroom", 0.01)),
+                   headroom=0.01 if headroom is None else float(headroom),
+                   headroom_min_bytes=HEADROOM_FLOOR_BYTES if headroom is None else 0.0,
                    mlp_tiles=int(getattr(args, "adacc_mlp_tiles", 8) or 1))
 
 
@@ -78,7 +103,7 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     options = options or SolveOptions()
     if not 0.0 <= options.headroom < 1.0:
         raise ValueError(f"memory headroom must be a fraction in [0, 1), got {options.headroom}")
-    usable = budget_bytes * (1.0 - options.headroom) if budget_bytes is not None else None
+    usable = options.usable_bytes(budget_bytes) if budget_bytes is not None else None
     solved: list[tuple[Problem, SolveResult]] = []  # the untiled solution first, when there is one
     failed: list[InfeasibleBudgetError] = []
     # lossless (--adacc-codec none) promises stock Megatron's gradients bit for bit, which tiles do not keep
@@ -97,11 +122,10 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
             break
     if not solved:
         e = min(failed, key=lambda e: e.min_feasible_bytes)
-        if not options.headroom:
+        if not options.headroom and not options.headroom_min_bytes:
             raise e
-        need = int(math.ceil(e.min_feasible_bytes / (1.0 - options.headroom)))
-        raise InfeasibleBudgetError(budget_bytes, need, f" (with {options.headroom:.0%} headroom, "
-                                    "--adacc-memory-headroom)") from None
+        raise InfeasibleBudgetError(budget_bytes, options.needed_budget(e.min_feasible_bytes),
+                                    f" (with {options.headroom_text()}, --adacc-memory-headroom)") from None
     # tiles only where they buy time or fit where nothing untiled does: untiled, gradients stay bit-exact
     problem, result = min(solved, key=lambda pair: pair[1].predicted_time_s)
     if result.predicted_time_s >= solved[0][1].predicted_time_s:
