@@ -81,16 +81,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: torchrun's variables: a child that inherited them would try to join its parent's group.
+#: torchrun's variables: a child that inherited them would try to join its parent's group, or, with
+#: ``TORCHELASTIC_USE_AGENT_STORE``, wait forever for a rendezvous store its launcher's agent was to host.
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+                       "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_PREFIX = "TORCHELASTIC_"
 
 
 def solo_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) for a child process that is its own world of one,
     whatever launched its parent."""
     env = dict(os.environ if base is None else base)
-    for name in _LAUNCHER_VARIABLES:
+    for name in [*_LAUNCHER_VARIABLES, *(n for n in env if n.startswith(_LAUNCHER_PREFIX))]:
         env.pop(name, None)
     return env
 

@@ -43,3 +43,10 @@ def running(host: Host) -> Iterator[Host]:
         yield host
     finally:
         _CURRENT.remove(host)
+
+
+def install(host: Host) -> None:
+    """Make ``host`` :func:`current` for the rest of the process (a host whose entry point is not ours to wrap:
+    Megatron-LM's script); installing one of the same class again changes nothing."""
+    if type(_CURRENT[-1]) is not type(host):
+        _CURRENT.append(host)

@@ -53,6 +53,9 @@ DIST_UTILS_MODULE = "megatron.training.models.dist_utils"
 HOOKED_FUNCTIONS = ("setup_model_and_optimizer", "train_step", "get_megatron_optimizer", "save_checkpoint")
 
 _SESSION: Session | None = None
+#: Names the request file of a measuring child of this command (:mod:`megatron_adacc.megatron_lm.host`): set by
+#: the parent for the child, which :func:`configure` reads before anything else.
+MEASURE_ENV = "ADACC_MEASURE_RUN"
 
 
 def current_session() -> Session | None:
@@ -471,6 +474,10 @@ def configure(args: Any, *, training: ModuleType | None = None,
     is refused even when no feature is on: the stock run it would start is not the one its user asked for.
     """
     global _SESSION
+    if os.environ.get(MEASURE_ENV):  # a measuring child of this command: the parent's changes come first
+        from megatron_adacc.megatron_lm.host import apply_request
+
+        apply_request(args)
     features = enabled_features(args)
     if not features:
         _SESSION = None
@@ -482,6 +489,10 @@ def configure(args: Any, *, training: ModuleType | None = None,
     session = Session(args, features)
     session.preflight()
     install_training_hooks(training or importlib.import_module(TRAINING_MODULE), features, dist_utils)
+    from megatron_adacc.core import host
+    from megatron_adacc.megatron_lm.host import MegatronLMHost
+
+    host.install(MegatronLMHost())  # auto's CPU budget calibrates with short runs of this command
     _SESSION = session
     return session
 

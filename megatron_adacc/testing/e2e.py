@@ -74,6 +74,10 @@ class Case:
     """``--adacc-profile-db`` (a file of the work folder): cases that name the same one share profiles."""
     fresh_profile: bool = False
     """Empty the profile database first: ``auto`` profiles (cold cache)."""
+    calibrated: bool = False
+    """For ``auto``: no pinned process baseline. ``auto`` calibrates the process memory with measuring children
+    of the run's own command (megatron_lm.host), under the low-fragmentation allocator, and the budget is placed
+    above the smallest one that leaves: the measured peak is then checked against it."""
     on_demand: bool = False
     """Run only when named (``ADACC_E2E_CASES``, the command line): too heavy for CI's 2 cores (4 ranks), or
     what a case in CI already covers."""
@@ -170,6 +174,9 @@ CASES: tuple[Case, ...] = (
     # profile database equals the next run, which reuses its profile.
     Case("auto-cold", AUTO, budget_from="auto-int4", profile_db="cold", fresh_profile=True, trains=True),
     Case("auto-warm", AUTO, budget_from="auto-int4", profile_db="cold", reference="auto-cold"),
+    # The budget a user gives is the one the run keeps: peak RSS, the process memory calibrated by the run.
+    Case("auto-budget", AUTO, profile_db="calibrated", fresh_profile=True, calibrated=True, trains=True,
+         iterations=6),
     Case("adama", ADAMA, trains=True),
     Case("adama-resume", ADAMA, resume_at=5, reference="adama"),
     Case("adama-do-dp2", ADAMA_DO, nproc=2, trains=True, iterations=6),
@@ -315,6 +322,7 @@ def _launch(c: Case, launcher: EntryPoint | Checkout, workdir: Path, flags: list
     env = {**os.environ, "OMP_NUM_THREADS": "1", RECORD_ENV: str(record), "PYTHONWARNINGS": "ignore",
            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor"),
            "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron asserts it under TP, as its example scripts set it
+           **({"MALLOC_MMAP_THRESHOLD_": "65536"} if c.calibrated else {}),  # docs/measuring.md
            **launcher.env(c)}
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -331,12 +339,13 @@ _BUDGETS: dict[tuple, list[str]] = {}
 def auto_budget_flags(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -> list[str]:
     """A budget inside the window where ``auto`` mixes its actions.
 
-    The process baseline is pinned (1 MiB) so that the budget covers the model only; a first run under a
-    1 MiB budget is refused by the solver, naming the smallest feasible budget (everything recomputed); the
-    case then gets 2 MiB more than that, between it and keeping everything (~5 MiB of activations here).
+    The process baseline is pinned (1 MiB) so that the budget covers the model only, unless the case is
+    ``calibrated`` (then the probe calibrates it as a user's run does); a first run under a 1 MiB budget is
+    refused by the solver, naming the smallest feasible budget (everything recomputed); the case then gets
+    2 MiB more than that, between it and keeping everything (~5 MiB of activations here).
     """
     source = case(c.budget_from) if c.budget_from else c
-    key = (source.flags, source.nproc, launcher)
+    key = (source.flags, source.nproc, source.calibrated, launcher)
     if key not in _BUDGETS:
         _BUDGETS[key] = _probe_budget(source, launcher, workdir)
     return _BUDGETS[key]
@@ -349,8 +358,9 @@ def _adacc_on(flags: list[str]) -> bool:
 
 
 def _probe_budget(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -> list[str]:
-    pinned = ["--adacc-process-baseline", "1MiB"]
-    probe = run_case(Case(f"{c.name}-probe", c.flags, c.nproc, iterations=1), launcher, workdir,
+    pinned = [] if c.calibrated else ["--adacc-process-baseline", "1MiB"]
+    probe = run_case(Case(f"{c.name}-probe", c.flags, c.nproc, iterations=1, profile_db=c.profile_db,
+                          fresh_profile=c.fresh_profile, calibrated=c.calibrated), launcher, workdir,
                      extra=[*pinned, "--adacc-memory-budget", "1MiB"])
     found = _INFEASIBLE.search(probe.output)
     if found is None:

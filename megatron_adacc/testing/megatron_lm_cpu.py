@@ -45,7 +45,7 @@ import torch
 
 from megatron_adacc.compat.cuda_stand_ins import CudaPresentError, NullEvent, NullStream, to_cpu_device
 from megatron_adacc.core.patching import mark, patch
-from megatron_adacc.testing.records import RECORD_ENV, record_iterations
+from megatron_adacc.testing.records import record_iterations, record_path
 
 
 @dataclass(frozen=True)
@@ -245,8 +245,8 @@ class _RebindingLoader(importlib.abc.Loader):
     def exec_module(self, module):
         self._loader.exec_module(module)
         _rebind(module)
-        if module.__name__ == "megatron.training.training" and os.environ.get(RECORD_ENV):
-            record_iterations(module, os.environ[RECORD_ENV])
+        if module.__name__ == "megatron.training.training" and record_path():
+            record_iterations(module, record_path())
 
     def __getattr__(self, name):  # get_resource_reader, is_package, ... of the real loader
         return getattr(self._loader, name)

@@ -24,13 +24,12 @@ at the end (:mod:`megatron_adacc.testing.records`).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Any
 
 import torch
 
-from megatron_adacc.testing.records import RECORD_ENV, record_iterations, write_report
+from megatron_adacc.testing.records import record_iterations, record_path, write_report
 
 #: Megatron-LM options this entry point's batch and loss code does not implement.
 _UNSUPPORTED = {"sft": "--sft", "fim_data": "--fim-data", "mtp_num_layers": "--mtp-num-layers",
@@ -163,15 +162,16 @@ def main(argv: list[str] | None = None) -> None:
     _refuse_unsupported(args)
     if not stock:
         adacc_megatron_lm.configure(args)
-    if os.environ.get(RECORD_ENV):
+    records = record_path()
+    if records:
         from megatron.training import training
 
-        record_iterations(training, os.environ[RECORD_ENV])
+        record_iterations(training, records)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, _datasets_provider, ModelType.encoder_or_decoder, _forward_step)
     session = None if stock else adacc_megatron_lm.current_session()
-    if os.environ.get(RECORD_ENV) and session is not None:
-        write_report(os.environ[RECORD_ENV], session.report())
+    if records and session is not None:
+        write_report(records, session.report())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,14 @@ RECORD_ENV = "ADACC_E2E_RECORD"
 _MARK = "__adacc_records__"
 
 
+def record_path() -> str | None:
+    """Where this run writes its records: :data:`RECORD_ENV`, except in a measuring child of the run
+    (:mod:`megatron_adacc.megatron_lm.host`), which inherits the variable and must not write over them."""
+    from megatron_adacc.megatron_lm.host import MEASURE_ENV
+
+    return None if os.environ.get(MEASURE_ENV) else os.environ.get(RECORD_ENV) or None
+
+
 def record_iterations(training: ModuleType, path: str) -> None:
     """Wrap ``training.train_step`` to record every iteration's loss and gradient norm (once per module, however
     often it is called and whatever wraps ``train_step`` in between)."""

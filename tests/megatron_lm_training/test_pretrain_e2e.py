@@ -125,6 +125,20 @@ def test_auto_under_pipeline_parallelism_plans_each_stage(runs):
     assert all(math.isfinite(r["loss"]) for r in run.records)
 
 
+def test_auto_keeps_the_budget_it_was_given_under_pretrain_gpt(runs):
+    """Issue 18 on Megatron-LM's path: with no pinned process baseline, ``auto`` on the CPU calibrates the
+    process memory with two short runs of the same ``pretrain_gpt.py`` command in child processes
+    (megatron_lm.host), and the run's measured peak RSS stays within its budget. Before, it counted the resident
+    size at solve time: a budget 3 MiB above the smallest feasible one peaked 67 MiB over it (866.7 of
+    799.9 MiB)."""
+    (run,) = _selected(runs, "auto-budget")
+    report = run.reports[0]["adacc"]
+    assert "calibrating the process memory" in run.output and "(pretrain_gpt.py)" in run.output
+    figures = {k: report[k] for k in ("peak_bytes", "predicted_peak_bytes", "budget_bytes")}
+    assert report["over_budget"] is False and report["peak_bytes"] <= report["budget_bytes"], figures
+    assert report["predicted_peak_bytes"] <= report["budget_bytes"]
+
+
 def test_tensor_parallel_ranks_agree(runs, workdir):
     """Both tensor-parallel ranks of a TP 2 case record the same losses and gradient norms, bit for bit."""
     names = [name for name, run in runs.items() if e2e.tensor_parallel(run.case) > 1]
