@@ -246,3 +246,73 @@ def test_a_resumed_evolution_tracks_where_the_straight_run_does() -> None:
         resumed.on_step_end(it, loss=1.0)
     assert [r.iteration for r in resumed.tracks] == [r.iteration for r in straight.tracks if r.iteration > 3010]
     assert [r.iteration for r in resumed.tracks] == [3016]
+
+
+class TimedOutliers(SampledOutliers):
+    """:class:`SampledOutliers` whose codec times are ``factor(iteration)`` times the profiled ones."""
+
+    def __init__(self, profile, factor):
+        super().__init__(lambda it: HIGH)
+        self.profile, self.factor = profile, factor
+
+    def measure(self, policy):
+        samples = super().measure(policy)
+        times = {op: self.profile.op(op).codecs[OUTLIER_CODEC] for op in samples}
+        k = self.factor(self.iteration)
+        return {op: OpSample(s.outlier_channels, s.channels, s.shapes, s.dtype, times[op].compress_time_s * k,
+                             times[op].decompress_time_s * k) for op, s in samples.items()}
+
+
+def _timed(factor):
+    evo, _, applied, policy = setup(lambda it: HIGH)
+    profiled = evo.profile
+    source = TimedOutliers(profiled, factor)
+    evo.source = source
+    return evo, source, applied, profiled
+
+
+def _times(profile):
+    """The outlier codec's times of the ops that save for backward (the others keep the profiled ones)."""
+    return {op: (profile.op(op).codecs[OUTLIER_CODEC].compress_time_s,
+                 profile.op(op).codecs[OUTLIER_CODEC].decompress_time_s)
+            for op in OUTLIER_OPS if profile.op(op).saved_bytes > 0}
+
+
+def test_a_one_off_slow_timing_changes_no_codec_time_and_switches_nothing() -> None:
+    """A timing taken while the host ran something else (4x, at one tracking iteration) is not adopted: the
+    profile's time is the median of every time taken so far. Adopting the last sample, tiny's evolution switched
+    policy at five of seven tracking iterations on a busy host."""
+    evo, source, applied, profiled = _timed(lambda it: 4.0 if it == 2 else 1.0)
+    run(evo, source, 40)
+    assert _times(evo.profile) == _times(profiled)
+    assert evo.switches == [] and applied == []
+
+
+def test_a_lasting_change_of_codec_time_is_adopted_at_its_second_sample() -> None:
+    evo, source, _, profiled = _timed(lambda it: 4.0 if it >= 2 else 1.0)
+    run(evo, source, 2)
+    assert _times(evo.profile) == _times(profiled)  # profiled, 1x, 4x: the median is the profiled time
+    run_from(evo, source, 3, 4)  # 1x, 4x, 4x
+    assert _times(profiled)
+    for op, times in _times(profiled).items():
+        assert _times(evo.profile)[op] == pytest.approx(tuple(4.0 * t for t in times)), op
+
+
+def test_a_resumed_evolution_keeps_the_times_its_medians_are_taken_over() -> None:
+    """The third sample at 8 makes the change from iteration 4 on the median: only if the 4x at 4 was kept."""
+    straight, source, _, _ = _timed(lambda it: 4.0 if it >= 4 else 1.0)
+    run(straight, source, 8)
+    resumed, source2, _, _ = _timed(lambda it: 4.0 if it >= 4 else 1.0)
+    run(resumed, source2, 4)
+    state = resumed.state_dict()
+    again, source3, _, _ = _timed(lambda it: 4.0 if it >= 4 else 1.0)
+    again.load_state_dict(state)
+    run_from(again, source3, 5, 8)
+    assert _times(again.profile) == _times(straight.profile) != _times(resumed.profile)
+
+
+def run_from(evo, source, first, last):
+    for it in range(first, last + 1):
+        source.iteration = it
+        evo.on_step_begin(it)
+        evo.on_step_end(it, loss=1.0)

@@ -15,8 +15,9 @@ the extension
    re-solve from the same figures and switch together;
 2. updates the profile: each op's ``int4_outlier`` compressed bytes are scaled by the ratio of the codec's size
    at the new count to its size at the profiled one (so the profile keeps the runtime-attributed units it was
-   measured in), its raw codec times replaced when they moved beyond timing noise (:data:`TIME_CHANGE`; the
-   profile's ``codec_time_scale`` still calibrates them), and the count stored as the new reference;
+   measured in), its raw codec times replaced when the median of the latest times taken moved beyond timing
+   noise (:data:`TIME_CHANGE`, :class:`CodecTimings`; the profile's ``codec_time_scale`` still calibrates
+   them), and the count stored as the new reference;
 3. re-solves the MILP, and
 4. switches policy before the next iteration when the new one is predicted faster by at least ``min_gain`` and
    fits the budget, or when the current policy no longer fits (outliers grew).
@@ -77,6 +78,44 @@ def _retimed(profiled: float, measured: float | None) -> float:
     if measured is None or (profiled > 0 and 1 / TIME_CHANGE <= measured / profiled <= TIME_CHANGE):
         return profiled
     return measured
+
+
+#: How many of an op's latest codec times (the profile's among them, until as many samples came) the time a
+#: re-solve uses is the median of (:class:`CodecTimings`).
+TIME_WINDOW = 3
+
+
+@dataclass
+class CodecTimings:
+    """The latest raw ``int4_outlier`` times of each op, the profile's first, then each tracking iteration's.
+
+    What replaces the profile's time is the median of the last :data:`TIME_WINDOW` (the lower middle one of
+    two), not the last sample: one timing taken while the host ran something else was 2-5x the profiled one on
+    a shared CPU, and adopting it switched tiny's policy at five of seven tracking iterations and back. A change
+    that lasts becomes the median at the second sample that shows it; a slower one-off never does. Kept in
+    checkpoints, so that a resumed run re-solves from the figures the straight one has."""
+
+    times: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, op: str, profiled: CodecProfile, sample: OpSample) -> OpSample:
+        """``sample`` with its times replaced by the medians of ``op``'s latest times (``profiled``'s first)."""
+        import statistics
+        from dataclasses import replace
+
+        seen = self.times.setdefault(op, [(profiled.compress_time_s, profiled.decompress_time_s)])
+        if sample.compress_time_s is None or sample.decompress_time_s is None:
+            return sample
+        seen.append((sample.compress_time_s, sample.decompress_time_s))
+        del seen[:-TIME_WINDOW]
+        return replace(sample, compress_time_s=statistics.median_low(c for c, _ in seen),
+                       decompress_time_s=statistics.median_low(d for _, d in seen))
+
+    def to_json(self) -> dict[str, list[list[float]]]:
+        return {op: [list(t) for t in seen] for op, seen in self.times.items()}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CodecTimings:
+        return cls({op: [(float(c), float(d)) for c, d in seen] for op, seen in obj.items()})
 
 
 def resampled(old: CodecProfile, sample: OpSample, *, saved: bool) -> CodecProfile:
@@ -203,6 +242,7 @@ class PolicyEvolution(TrainingExtension):
         self.tracks: list[TrackRecord] = []
         self.switches: list[TrackRecord] = []
         self.outliers = OutlierSeries.of_profile(self.profile)
+        self.timings = CodecTimings()
 
     # ----------------------------------------------------------------------------- extension hooks
     def setup(self, ctx: TrainingContext) -> None:
@@ -234,7 +274,7 @@ class PolicyEvolution(TrainingExtension):
 
         return {"policy": policy_to_json(self.policy), "profile": self.profile.to_json(),
                 "switches": [r.iteration for r in self.switches], "outlier_channels": self.outliers.to_json(),
-                "origin": self._origin or 0}
+                "codec_times": self.timings.to_json(), "origin": self._origin or 0}
 
     def load_state_dict(self, state: dict) -> None:
         from megatron_adacc.adacc.policy.io import policy_from_json
@@ -244,6 +284,8 @@ class PolicyEvolution(TrainingExtension):
             self.profile = LayerProfile.from_json(state["profile"])
             if "outlier_channels" in state:
                 self.outliers = OutlierSeries.from_json(state["outlier_channels"])
+            # checkpoints from before the times were kept start their medians from the saved profile
+            self.timings = CodecTimings.from_json(state.get("codec_times", {}))
             self._origin = int(state.get("origin", 0))  # checkpoints from before the origin was saved began at 0
             if self.apply is not None:
                 self.apply(self.policy)
@@ -266,6 +308,7 @@ class PolicyEvolution(TrainingExtension):
             profiled = self.profile.op(op)
             old = profiled.codecs.get(OUTLIER_CODEC)
             if old is not None:  # the profiler found the codec does not apply to this op: nothing to update
+                sample = self.timings.add(op, old, sample)
                 updates[op] = {OUTLIER_CODEC: resampled(old, sample, saved=profiled.saved_bytes > 0)}
         return self.profile.with_codec_update(updates) if updates else self.profile
 
