@@ -8,8 +8,10 @@ that have no flag, so the changes travel in a request file named by :data:`MEASU
 :func:`~megatron_adacc.megatron_lm.session.configure` applies them to the parsed arguments
 (:func:`apply_request`) and writes its peak memory and its extensions' reports when the process exits.
 
-Only a run of one process calibrates: a calibration of a tensor- or pipeline-parallel run would have to start
-every rank again, so those runs count the resident size and say so.
+A run of several processes on one machine (tensor, pipeline or data parallel, as torchrun starts it) is
+measured by as many children, started by torchrun from rank 0 while the other ranks wait; each child rank
+writes its own figures (:func:`measured_ranks`). A run over several machines counts its resident size and
+says so.
 """
 
 from __future__ import annotations
@@ -35,12 +37,34 @@ _QUIET = {"save": None, "load": None, "save_interval": None, "eval_iters": 0, "e
 _TAIL = 40
 
 
-def _world_size() -> int:
+def _world() -> tuple[int, int]:
+    """(processes in this run, processes on this machine)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+#: Interpreter options that take a value (``python -W error script.py``).
+_VALUED_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def child_command(argv: list[str], processes: int, port: int) -> list[str]:
+    """``argv`` (``sys.orig_argv``: the interpreter, its options, ``-m module`` / ``-c code`` / a script, and
+    its arguments) as the command of a measuring run of ``processes``: itself for one, torchrun around what
+    it runs for more (torchrun gives each rank its variables)."""
+    if processes == 1:
+        return list(argv)
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "-c"):
+        i += 2 if argv[i] in _VALUED_OPTIONS else 1
+    if i >= len(argv) or argv[i] == "-c":
+        raise ValueError(f"cannot start {' '.join(argv)!r} again under torchrun: it runs no script or module")
+    target = ["-m", argv[i + 1]] if argv[i] == "-m" else [argv[i]]
+    rest = argv[i + len(target):]
+    return [argv[0], "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--master_addr=127.0.0.1",
+            f"--master_port={port}", *target, *rest]
 
 
 class MegatronLMHost(Host):
@@ -50,28 +74,43 @@ class MegatronLMHost(Host):
 
     @property
     def runs_training(self) -> bool:  # type: ignore[override]
-        return _world_size() == 1 and not os.environ.get(MEASURE_ENV)
+        world, here = _world()
+        return world == here and not os.environ.get(MEASURE_ENV)
 
     def measure_run(self, args: Any, env: dict[str, str] | None = None, **overrides: Any) -> dict | None:
+        """The measuring run's figures: rank 0's ``peak_memory_bytes`` and ``extensions``, and under
+        ``ranks`` every rank's, in rank order."""
         from megatron_adacc.compat.process import free_port, solo_environment
         from megatron_adacc.core.log import get_logger
 
         if not self.runs_training:
             return None
+        world, _ = _world()
         with tempfile.TemporaryDirectory(prefix="adacc-measure-") as folder:
-            request, result = Path(folder) / "request.json", Path(folder) / "result.json"
+            request, result = Path(folder) / "request.json", Path(folder) / "result"
             request.write_text(json.dumps({"overrides": {**_QUIET, **overrides}, "result": str(result)}))
-            child_env = {**solo_environment(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                         **(env or {}), MEASURE_ENV: str(request)}
-            proc = subprocess.run(list(sys.orig_argv), env=child_env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-            if proc.returncode != 0 or not result.is_file():
+            port = free_port()
+            child_env = {**solo_environment(), **(env or {}), MEASURE_ENV: str(request)}
+            if world == 1:
+                child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                                  "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+            proc = subprocess.run(child_command(list(sys.orig_argv), world, port), env=child_env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            ranks = measured_ranks(result, world)
+            if proc.returncode != 0 or ranks is None:
                 tail = "\n".join(proc.stdout.splitlines()[-_TAIL:])
                 get_logger().warning(f"the measuring run of this command exited with {proc.returncode}; its "
                                      f"last lines:\n{tail}")
                 return None
-            return json.loads(result.read_text())
+            return {**ranks[0], "ranks": ranks}
+
+
+def measured_ranks(result: Path, world: int) -> list[dict] | None:
+    """Each child rank's figures (:func:`apply_request` writes ``result.rankN``), or None if one is missing."""
+    files = [result.with_name(f"{result.name}.rank{rank}") for rank in range(world)]
+    if not all(f.is_file() for f in files):
+        return None
+    return [json.loads(f.read_text()) for f in files]
 
 
 def apply_request(args: Any) -> None:
@@ -87,7 +126,8 @@ def apply_request(args: Any) -> None:
 
     from megatron_adacc.core.devices import peak_memory_bytes
 
-    atexit.register(_write_result, request["result"], lambda: peak_memory_bytes(torch.device("cpu")))
+    atexit.register(_write_result, f"{request['result']}.rank{os.environ.get('RANK', '0')}",
+                    lambda: peak_memory_bytes(torch.device("cpu")))
 
 
 def _write_result(path: str, peak: Callable[[], int]) -> None:

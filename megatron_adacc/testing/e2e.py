@@ -177,6 +177,8 @@ CASES: tuple[Case, ...] = (
     # The budget a user gives is the one the run keeps: peak RSS, the process memory calibrated by the run.
     Case("auto-budget", AUTO, profile_db="calibrated", fresh_profile=True, calibrated=True, trains=True,
          iterations=6),
+    Case("auto-budget-pp2", (*_parallel(pp=2), *AUTO), nproc=2, profile_db="calibrated-pp2", fresh_profile=True,
+         calibrated=True, trains=True, iterations=6),
     Case("adama", ADAMA, trains=True),
     Case("adama-resume", ADAMA, resume_at=5, reference="adama"),
     Case("adama-do-dp2", ADAMA_DO, nproc=2, trains=True, iterations=6),

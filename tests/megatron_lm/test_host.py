@@ -8,9 +8,11 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_adacc.compat.process import solo_environment
 from megatron_adacc.core import host
-from megatron_adacc.megatron_lm.host import MEASURE_ENV, MegatronLMHost, apply_request
+from megatron_adacc.megatron_lm.host import MEASURE_ENV, MegatronLMHost, apply_request, child_command
 
 #: A stand-in for the user's command: it applies the request as configure() does, checks what it received and
 #: exits, writing its figures as a measuring child of pretrain_gpt.py does.
@@ -46,13 +48,17 @@ def test_a_failed_measuring_run_answers_none_with_its_last_lines(monkeypatch, ca
     assert "exited with 3" in said and "the error" in said
 
 
-def test_only_a_run_of_one_process_measures_and_a_measuring_child_never_does(monkeypatch):
+def test_a_run_on_one_machine_measures_and_a_measuring_child_never_does(monkeypatch):
     import torch.distributed
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # before Megatron starts it: torchrun's
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two machines: a measuring run would have to start both
     assert not MegatronLMHost().runs_training
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert MegatronLMHost().runs_training
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert MegatronLMHost().runs_training
     monkeypatch.setenv(MEASURE_ENV, "/a/request.json")
     assert not MegatronLMHost().runs_training
@@ -76,3 +82,14 @@ def test_installing_the_host_twice_keeps_one(monkeypatch):
     host.install(MegatronLMHost())
     host.install(MegatronLMHost())
     assert isinstance(host.current(), MegatronLMHost) and len(host._CURRENT) == 2
+
+
+def test_a_run_of_several_processes_is_measured_under_torchrun_with_what_it_runs():
+    argv = ["/py", "-u", "-W", "ignore", "-m", "megatron_adacc.testing.pretrain_gpt", "--num-layers", "2"]
+    assert child_command(argv, 1, 99) == argv
+    assert child_command(argv, 2, 99) == [
+        "/py", "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", "--master_port=99",
+        "-m", "megatron_adacc.testing.pretrain_gpt", "--num-layers", "2"]
+    assert child_command(["/py", "pretrain_gpt.py", "--tp", "2"], 2, 7)[-3:] == ["pretrain_gpt.py", "--tp", "2"]
+    with pytest.raises(ValueError, match="no script or module"):
+        child_command(["/py", "-c", "pass"], 2, 7)

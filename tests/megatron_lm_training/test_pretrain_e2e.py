@@ -127,16 +127,17 @@ def test_auto_under_pipeline_parallelism_plans_each_stage(runs):
 
 def test_auto_keeps_the_budget_it_was_given_under_pretrain_gpt(runs):
     """Issue 18 on Megatron-LM's path: with no pinned process baseline, ``auto`` on the CPU calibrates the
-    process memory with two short runs of the same ``pretrain_gpt.py`` command in child processes
-    (megatron_lm.host), and the run's measured peak RSS stays within its budget. Before, it counted the resident
-    size at solve time: a budget 3 MiB above the smallest feasible one peaked 67 MiB over it (866.7 of
-    799.9 MiB)."""
-    (run,) = _selected(runs, "auto-budget")
-    report = run.reports[0]["adacc"]
-    assert "calibrating the process memory" in run.output and "(pretrain_gpt.py)" in run.output
-    figures = {k: report[k] for k in ("peak_bytes", "predicted_peak_bytes", "budget_bytes")}
-    assert report["over_budget"] is False and report["peak_bytes"] <= report["budget_bytes"], figures
-    assert report["predicted_peak_bytes"] <= report["budget_bytes"]
+    process memory with short runs of the same ``pretrain_gpt.py`` command in child processes (megatron_lm.host;
+    under torchrun at PP 2, two ranks of children), and every rank's measured peak RSS stays within its budget.
+    Before, it counted the resident size at solve time: a budget 3 MiB above the smallest feasible one peaked
+    67 MiB over it (866.7 of 799.9 MiB)."""
+    for run in _selected(runs, "auto-budget", "auto-budget-pp2"):
+        assert "calibrating the process memory" in run.output and "(pretrain_gpt.py)" in run.output
+        assert sorted(run.reports) == list(range(run.case.nproc))  # every rank (pipeline stage) reported
+        for report in (r["adacc"] for r in run.reports.values()):
+            figures = {k: report[k] for k in ("peak_bytes", "predicted_peak_bytes", "budget_bytes")}
+            assert report["over_budget"] is False and report["peak_bytes"] <= report["budget_bytes"], figures
+            assert report["predicted_peak_bytes"] <= report["budget_bytes"]
 
 
 def test_tensor_parallel_ranks_agree(runs, workdir):

@@ -227,11 +227,19 @@ def _run_key(args: Any) -> str:
     """What a calibrated process baseline depends on besides the profile: the micro-batch, the allocator, and the
     MILP backend loaded into the process (:func:`_calibrate`). ``peak=own``: calibrations stored before the peak
     was the child's own (core.devices.peak_resident_bytes) counted the training process that launched them, and
-    are not reused; nor are those without a ``milp`` (their run loaded no solver)."""
+    are not reused; nor are those without a ``milp`` (their run loaded no solver). A run of several processes
+    adds its layout: its ranks hold their own stages and shards, and a host measures them all."""
     from megatron_adacc.adacc.policy.strategies.base import select_backend
 
-    return (f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536;"
-            f"peak=own;milp={select_backend()}")
+    key = (f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536;"
+           f"peak=own;milp={select_backend()}")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else 1
+    if world > 1:
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        key += f";world={world};tp={tp};pp={pp}"
+    return key
 
 
 #: Set on the arguments of a calibration run (never a flag): the run solves its own policy as the user's
@@ -254,8 +262,8 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
     runner = host.current()
     if not runner.runs_training:
         return
-    log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}), "
-        "in child processes (one as it runs, one traced stage by stage), once per profile and micro-batch size")
+    log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}) in child "
+        "processes, once per profile, micro-batch size and parallel layout")
 
     def measured(trace: bool) -> dict | None:
         return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy="auto", train_iters=2,
@@ -267,13 +275,21 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
     # The peak comes from a run exactly as the user's runs: a traced one runs keep-everything layers through
     # the runtime's decomposition instead of megatron's forward.
     run = measured(False)
-    traced_run = measured(True) if run is not None and stages.supported() else None
+    ranks = (run or {}).get("ranks") or [run]
+    traced_run = measured(True) if run is not None and len(ranks) == 1 and stages.supported() else None
     if run is None:
         log("calibration run failed; its error is above")
         return
-    decisions = ((run.get("extensions") or {}).get("adacc") or {}).get("decisions") or {}
-    if set(decisions) != {"keep"}:
-        log(f"calibration run did not keep everything ({decisions}); no process memory stored")
+    reports = [((r.get("extensions") or {}).get("adacc") or {}) for r in ranks]
+    decisions = {d for report in reports for d in report.get("decisions") or {}}
+    if decisions != {"keep"}:
+        log(f"calibration run did not keep everything ({sorted(decisions)}); no process memory stored")
+        return
+    if len(ranks) > 1:
+        # each rank against its own stage's prediction (its layers, micro-batches in flight, model states); the
+        # largest excess, so that no rank's process memory is under-counted
+        db.put_baseline(int(ref["id"]), key, max(int(r["peak_memory_bytes"]) - int(report["predicted_peak_bytes"])
+                                                 for r, report in zip(ranks, reports)))
         return
     traced = ((traced_run or {}).get("extensions") or {}).get("adacc", {}).get("backward_stages") or []
     db.put_baseline(int(ref["id"]), key, baseline_from_run(profile, int(run["peak_memory_bytes"]), traced))
