@@ -44,10 +44,12 @@ def run(args) -> dict:
         for model in names:
             found = _errors(args.seed, overrides[model], step, model)
             echo(f"{model}:")
-            echo(format_table(["op", "codec", "grad error", "plain INT4", "codec <= plain"],
+            echo(format_table(["op", "codec", "grad error", "plain INT4", "codec <= plain", "held KiB",
+                               "plain INT4"],
                               [[name, m["codec"], f"{m['grad_rel_error']:.4f}", f"{m['plain_int4_grad_rel_error']:.4f}",
-                                "yes" if m["at_least_as_good"] else "NO"] for name, m in found.items()],
-                              right=(2, 3)))
+                                "yes" if m["at_least_as_good"] else "NO", f"{m['held_bytes'] / 1024:.1f}",
+                                f"{m['plain_int4_held_bytes'] / 1024:.1f}"] for name, m in found.items()],
+                              right=(2, 3, 5, 6)))
             methods.update({f"{model}/{name}": m for name, m in found.items()})
     harness.write_results("gradients", {"models": {m: "testing.build_tiny_gpt" + ("(**TINY_LLAMA)" if m == "llama"
                                                                                  else "()") for m in names},
@@ -60,6 +62,7 @@ def _errors(seed: int, overrides: dict, step: Steps, label: str) -> dict[str, di
     import megatron_adacc
     from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
     from megatron_adacc.adacc.policy.policy import Decision, Policy
+    from megatron_adacc.adacc.runtime.memory import memory_report
     from megatron_adacc.testing import build_tiny_gpt, grad_rel_error, loss_and_grads, tiny_batch
 
     model = build_tiny_gpt(seed=seed, **overrides)
@@ -68,21 +71,26 @@ def _errors(seed: int, overrides: dict, step: Steps, label: str) -> dict[str, di
     layers = model.config.num_layers
     _, ref = loss_and_grads(model, batch)
 
-    def error(policy: Policy) -> float:
+    def error(policy: Policy) -> tuple[float, int]:
+        """The gradient error under ``policy``, and the bytes the layers held for backward."""
         megatron_adacc.install(model.config, policy, predict_memory=False)
         try:
             _, grads = loss_and_grads(model, batch)
+            held = memory_report(policy)["measured_bytes"]
         finally:
             megatron_adacc.uninstall()
-        return grad_rel_error(grads, ref)
+        return grad_rel_error(grads, ref), held
 
     def only(op: str, codec: str) -> Policy:
         row = [Decision.compress(codec) if name == op else Decision("keep") for name in OP_NAMES]
         return Policy(layers=[row] * layers, name=f"{op}:{codec}")
 
-    def pair(codec: str, specific: float, plain: float) -> dict:
-        return {"codec": codec, "grad_rel_error": specific, "plain_int4_grad_rel_error": plain,
-                "at_least_as_good": specific <= plain}
+    def pair(codec: str, specific: tuple[float, int], plain: tuple[float, int]) -> dict:
+        # the bytes held say what each error costs: codecs group their scales differently (channel-wise INT4
+        # keeps one per channel, plain INT4 one per row, which on a 16-wide attention head is 2 bits an element)
+        return {"codec": codec, "grad_rel_error": specific[0], "plain_int4_grad_rel_error": plain[0],
+                "at_least_as_good": specific[0] <= plain[0], "held_bytes": specific[1],
+                "plain_int4_held_bytes": plain[1]}
 
     found: dict[str, dict] = {}
     for spec in step.iterate(OPS, label=lambda spec: f"{label}: {spec.name}"):

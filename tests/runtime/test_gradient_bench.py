@@ -26,6 +26,10 @@ def test_every_op_is_measured_and_the_codecs_beat_plain_int4_where_the_paper_say
               for name, m in methods.items() if not m["at_least_as_good"]}
     assert set(behind) <= {"gelu/linear_qkv", "llama/linear_qkv", "gelu/input_layernorm"}, behind
     assert all(ratio < 1.6 for ratio in behind.values()), behind
+    # ... and it holds fewer bytes: one fp32 scale per channel, where plain INT4 keeps one per 16-wide head row
+    for model in ("gelu", "llama"):
+        qkv = methods[f"{model}/linear_qkv"]
+        assert qkv["held_bytes"] < qkv["plain_int4_held_bytes"], qkv
     # and the whole layer compressed with them errs less than quantize-all, yet not zero
     for model in ("gelu", "llama"):
         whole = methods[f"{model}/all_ops"]
