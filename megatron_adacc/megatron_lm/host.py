@@ -3,8 +3,9 @@ command line in a child process, so that ``--adacc-policy auto`` calibrates its 
 ``pretrain_gpt.py`` as it does under ``adacc train`` (:mod:`megatron_adacc.training.host`).
 
 The child is this process's own command (``sys.orig_argv``: the interpreter's flags, ``-m`` or the script, and
-every argument), started as a world of one. Megatron-LM's argument parser is not ours to extend with values
-that have no flag, so the changes travel in a request file named by :data:`MEASURE_ENV`: the child's
+every argument), started as a world of one for a run of one process. Megatron-LM's argument parser is not
+ours to extend with values that have no flag, so the changes travel in a request file named by
+:data:`MEASURE_ENV`: the child's
 :func:`~megatron_adacc.megatron_lm.session.configure` applies them to the parsed arguments
 (:func:`apply_request`) and writes its peak memory and its extensions' reports when the process exits.
 
@@ -90,12 +91,17 @@ class MegatronLMHost(Host):
             request, result = Path(folder) / "request.json", Path(folder) / "result"
             request.write_text(json.dumps({"overrides": {**_QUIET, **overrides}, "result": str(result)}))
             port = free_port()
+            try:
+                command = child_command(list(sys.orig_argv), world, port)
+            except ValueError as exc:
+                get_logger().warning(f"no measuring run: {exc}")
+                return None
             child_env = {**solo_environment(), **(env or {}), MEASURE_ENV: str(request)}
             if world == 1:
                 child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                                   "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
-            proc = subprocess.run(child_command(list(sys.orig_argv), world, port), env=child_env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.run(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
             ranks = measured_ranks(result, world)
             if proc.returncode != 0 or ranks is None:
                 tail = "\n".join(proc.stdout.splitlines()[-_TAIL:])
