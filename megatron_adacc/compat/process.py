@@ -10,14 +10,19 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import tempfile
+import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def initialize(device: torch.device, seed: int, timeout: timedelta | None = None) -> tuple[int, int]:
@@ -121,6 +126,47 @@ def run_child(module: str, data: bytes, env: dict[str, str] | None = None) -> di
         os.unlink(path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+
+
+def forked(work: Callable[[], T]) -> T:
+    """``work()`` in a forked child process, its result (or its exception) pickled back: what it imports and
+    allocates stays in the child. Where the process cannot fork, ``work()`` here.
+
+    The child runs Python and what ``work`` calls only: a child of a process whose threads held locks (torch's
+    thread pools, gloo) must not use torch, nor a library whose own thread pool the parent started (HiGHS's
+    child would wait for its threads forever); it never returns into the parent's code (``os._exit``)."""
+    if not hasattr(os, "fork"):
+        return work()
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12 warns that a threaded process forks; the child above is safe
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        try:
+            try:
+                payload = pickle.dumps(("done", work()))
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+                try:
+                    payload = pickle.dumps(("raised", exc))
+                except Exception:  # noqa: BLE001 - an exception that does not pickle: its words do
+                    payload = pickle.dumps(("raised", RuntimeError(f"{type(exc).__name__}: {exc}")))
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(payload)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"a forked child process ended without an answer (wait status {status})")
+    kind, value = pickle.loads(data)  # from this process's own child
+    if kind == "raised":
+        raise value
+    return value
 
 
 def load_payload(path: str) -> Any:

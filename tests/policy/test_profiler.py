@@ -4,6 +4,10 @@ commands; the solved policy's predicted bytes are compared with what the runtime
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -324,25 +328,73 @@ def test_the_calibration_takes_paired_differences_of_alternating_runs() -> None:
     assert max(r["quant"] for r in rounds) == pytest.approx(0.050)
 
 
-def test_a_calibration_run_solves_a_bounded_problem_as_the_user_s_run_does(monkeypatch) -> None:
-    """The calibration run keeps everything, which its solver answers without the MILP; the user's run and its
-    evolution's re-solves run the MILP, whose backend then holds code and memory the baseline must count
-    (measured on tiny: 1.5 MiB of HiGHS's library). So the calibration also solves, and discards, a problem
-    with a budget strictly between the least feasible and keeping everything."""
-    from megatron_adacc.adacc.integration import auto
-    from megatron_adacc.adacc.policy import solver
-    from megatron_adacc.adacc.policy.profile import analytic_profile
-    from megatron_adacc.adacc.policy.signature import plain_signature
+def test_on_the_cpu_the_training_process_never_loads_the_milp_solver(tmp_path) -> None:
+    """On the CPU the budget is the training process's peak RSS, and PuLP with HiGHS held 5.2 MiB of it on
+    llama-tiny (a tenth of its activations; a GPU run holds them in host memory, outside its budget), more with
+    every re-solve of evolution. So ``auto`` solves in a forked child: a run that solved, tracked and re-solved
+    ends with neither imported, under a budget that keeps it from keeping everything."""
+    code = textwrap.dedent("""
+        import json, sys
+        from megatron_adacc.training.args import parse_train_args
+        from megatron_adacc.training.loop import train
+        summary = train(parse_train_args(["--adacc-policy", "auto", "--adacc-memory-budget", "430MiB",
+                                          "--adacc-process-baseline", "360MiB", "--train-iters", "2",
+                                          "--no-progress"]))
+        tracked = summary["extensions"]["adacc_evolution"]["tracking_iterations"]
+        print(json.dumps([sorted(m for m in ("pulp", "highspy") if m in sys.modules), tracked,
+                          summary["extensions"]["adacc"]["decisions"]]))
+    """)
+    env = {**os.environ, "ADACC_PROFILE_DB": str(tmp_path / "profile.sqlite")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded, tracked, decisions = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [] and tracked == [1, 2]
+    assert set(decisions) != {"keep"}, decisions  # the budget made it solve the MILP, in the child
 
-    profile = analytic_profile(plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                                               seq_length=32, micro_batch_size=2, dtype="float32", num_layers=2,
-                                               megatron_core_version="0.16.1"))
-    options = solver.SolveOptions()
-    seen = []
-    real = solver.solve_policy
-    monkeypatch.setattr(solver, "solve_policy", lambda p, budget, o, **kw: seen.append(budget) or real(p, budget, o))
-    auto._solve_bounded(profile, options)
-    problem = solver.make_problem(profile, None, options)
-    low = problem.min_feasible_budget(stash=True, heterogeneous=options.heterogeneous)
-    high = problem.total_memory([problem.stock_picks()] * problem.num_layers, stash=True)
-    assert len(seen) == 1 and low < seen[0] < high
+
+def test_a_solve_in_a_forked_child_answers_as_in_process_and_refuses_the_same() -> None:
+    """In a fresh interpreter, the forked solves first: this one may have run HiGHS already, whose thread pool a
+    forked child lacks (auto.isolated_solves never forks such a process)."""
+    code = textwrap.dedent("""
+        import sys
+        from megatron_adacc.adacc.policy.profile import analytic_profile
+        from megatron_adacc.adacc.policy.signature import plain_signature
+        from megatron_adacc.adacc.policy.solver import SolveOptions, make_problem, solve_policy
+        from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
+        from megatron_adacc.compat.process import forked
+
+        profile = analytic_profile(plain_signature(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                                                   seq_length=32, micro_batch_size=2, dtype="float32",
+                                                   num_layers=2, megatron_core_version="0.16.1"))
+        low = make_problem(profile, None, SolveOptions()).min_feasible_budget(stash=True, heterogeneous=True)
+
+        def refusal(solve):
+            try:
+                solve()
+            except InfeasibleBudgetError as exc:
+                return exc
+            raise AssertionError("not refused")
+
+        there, _ = forked(lambda: solve_policy(profile, low * 1.05, SolveOptions(headroom=0.0)))
+        refused_there = refusal(lambda: forked(lambda: solve_policy(profile, low / 2, SolveOptions())))
+        assert "pulp" not in sys.modules  # the solves loaded it in their children only
+        here, _ = solve_policy(profile, low * 1.05, SolveOptions(headroom=0.0))
+        refused_here = refusal(lambda: solve_policy(profile, low / 2, SolveOptions()))
+        assert there.layers == here.layers and there.predicted == here.predicted
+        assert str(refused_there) == str(refused_here)
+        assert refused_there.min_feasible_bytes == refused_here.min_feasible_bytes
+        try:
+            forked(lambda: 1 / 0)
+        except ZeroDivisionError:
+            print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_process_that_loaded_pulp_solves_in_process() -> None:
+    import pulp  # noqa: F401 - loaded, as in a session that solved before
+
+    from megatron_adacc.adacc.integration.auto import isolated_solves
+
+    assert not isolated_solves(torch.device("cpu"))

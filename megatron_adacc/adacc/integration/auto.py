@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -17,6 +18,7 @@ from megatron_adacc.adacc.policy.signature import model_signature
 from megatron_adacc.adacc.policy.solver import SolveOptions, op_costs, solve_stage
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.adacc.runtime import stages
+from megatron_adacc.compat.process import forked
 from megatron_adacc.core.devices import resident_bytes, resolve_device
 from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.core.log import get_logger
@@ -29,7 +31,8 @@ LOG = get_logger()
 _log = LOG.info
 
 
-def _device(args: Any) -> torch.device:
+def run_device(args: Any) -> torch.device:
+    """The device the run trains on (``--device``, default: CUDA where there is one)."""
     return resolve_device(getattr(args, "device", "auto"))
 
 
@@ -53,7 +56,7 @@ def _stored_or_new_profile(args: Any, config: Any, log: Callable[[str], None], f
                            isolate: bool) -> tuple[LayerProfile, dict[str, Any]]:
     from megatron_adacc.adacc.integration.profiler import device_name
 
-    device = _device(args)
+    device = run_device(args)
     db = ProfileDB(getattr(args, "adacc_profile_db", None))
     sig = model_signature(config, args)
     found = None if force else db.get(device_name(device), sig)
@@ -123,7 +126,7 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
     """
     from megatron_adacc.adacc.integration.profiler import device_memory_bytes
 
-    device = _device(args)
+    device = run_device(args)
     resident = resident_bytes()  # before profiling, which may run in this process
     layer, ref = _stored_or_new_profile(args, config, log, False, isolate)
     profile = charge_static(layer, args, config)
@@ -133,44 +136,50 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
         args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
     options = SolveOptions.from_args(args)
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
-    if getattr(args, CALIBRATION_RUN, False):
-        _solve_bounded(profile, options)
-    return on_rank0(lambda: solve_stages(layer, ref, args, config, budget, options, log))
+    return on_rank0(lambda: solve_stages(layer, ref, args, config, budget, options, log,
+                                         isolate=isolated_solves(device)))
 
 
-def _solve_bounded(profile: LayerProfile, options: SolveOptions) -> None:
-    """Solve, and discard, the problem at a budget halfway between the least feasible and keeping everything.
+def isolated_solves(device: torch.device) -> bool:
+    """Whether the MILP runs in a forked child (:func:`~megatron_adacc.compat.process.forked`): on the CPU, where
+    the budget is this process's peak RSS. PuLP, the backend it loads and their working memory (5.2 MiB resident
+    on llama-tiny, a tenth of its activations) are what a GPU run holds in host memory, outside its budget; in
+    the training process they would count in the CPU's, and grow with every re-solve of evolution.
 
-    A calibration run solves under a budget everything fits, which its solver answers without running the MILP,
-    so its process never holds the MILP backend's code and working memory that the user's run, and each of its
-    evolution's re-solves, hold. Measured on tiny at 440 MiB: 1.5 MiB more of HiGHS's library resident after
-    the user's solve than after the calibration's, of the 4-5 MiB by which its process outgrew the baseline."""
-    from megatron_adacc.adacc.policy.solver import make_problem, solve_policy
-
-    problem = make_problem(profile, None, options)
-    low = problem.min_feasible_budget(stash=True, heterogeneous=options.heterogeneous)
-    high = problem.total_memory([problem.stock_picks()] * problem.num_layers, stash=True)
-    if high > low:
-        solve_policy(profile, (low + high) / 2, replace(options, headroom=0.0, headroom_min_bytes=0.0))
+    Not in a process that has loaded PuLP already (a notebook that solved before, a test session): it holds them
+    anyway, and HiGHS's thread pool, started by its first solve, does not survive a fork (the child's solve
+    waits forever for threads that are not there)."""
+    return device.type == "cpu" and hasattr(os, "fork") and "pulp" not in sys.modules
 
 
 def solve_stages(layer: LayerProfile, ref: dict[str, Any], args: Any, config: Any, budget: float,
-                 options: SolveOptions, log: Callable[[str], None] = _log) -> Policy:
+                 options: SolveOptions, log: Callable[[str], None] = _log, *, isolate: bool = False) -> Policy:
     """The policy of the run ``args``/``config`` describe, from the layer's profile: every pipeline stage solved for
     its own layers, its own model states and the micro-batches it holds in flight under 1F1B
     (:func:`~megatron_adacc.adacc.policy.solver.solve_stage`), joined into one policy of every layer (global layer
     numbers) from which each stage installs its slice. A stage that fits no policy refuses the run with the
-    largest budget any stage needs."""
+    largest budget any stage needs. ``isolate``: the solves run in a forked child (:func:`isolated_solves`)."""
     pipeline = stage_layout(args, config)
     signature = model_signature(config, args)
+    charged = [(charge_static(layer, args, config, stage, parameters), layers, held)
+               for stage, (parameters, layers, held) in enumerate(pipeline)]
+
+    def solve_all() -> list[Any]:  # pure Python: no torch in a forked child
+        answers: list[Any] = []
+        for profile, layers, held in charged:
+            try:
+                answers.append(solve_stage(profile, budget, options, layers=layers, in_flight=held, profile_ref=ref,
+                                           signature=signature))
+            except InfeasibleBudgetError as exc:
+                answers.append(exc)
+        return answers
+
     parts, refusals = [], []
-    for stage, (parameters, layers, held) in enumerate(pipeline):
-        try:
-            part, result = solve_stage(charge_static(layer, args, config, stage, parameters), budget, options,
-                                       layers=layers, in_flight=held, profile_ref=ref, signature=signature)
-        except InfeasibleBudgetError as exc:
-            refusals.append((exc.min_feasible_bytes, stage, exc))
+    for stage, ((_, layers, held), answer) in enumerate(zip(charged, forked(solve_all) if isolate else solve_all())):
+        if isinstance(answer, InfeasibleBudgetError):
+            refusals.append((answer.min_feasible_bytes, stage, answer))
             continue
+        part, result = answer
         where = (f"pipeline stage {stage} (layers {stage * layers}-{stage * layers + layers - 1}, {held} "
                  f"micro-batch{'es' if held > 1 else ''} in flight): " if len(pipeline) > 1 else "")
         of = f"of {format_bytes(budget, 2)}" if budget < _UNBOUNDED else "(no budget: a calibration run)"
@@ -225,14 +234,20 @@ LOW_FRAGMENTATION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 def _run_key(args: Any) -> str:
     """What a calibrated process baseline depends on besides the profile: the micro-batch, the allocator, and the
-    MILP backend loaded into the process (:func:`_calibrate`). ``peak=own``: calibrations stored before the peak
-    was the child's own (core.devices.peak_resident_bytes) counted the training process that launched them, and
-    are not reused; nor are those without a ``milp`` (their run loaded no solver). A run of several processes
-    adds its layout: its ranks hold their own stages and shards, and a host measures them all."""
-    from megatron_adacc.adacc.policy.strategies.base import select_backend
+    MILP backend loaded into the process (:func:`_calibrate`): ``forked`` where the solves run in a child
+    (:func:`isolated_solves`), which loads none. ``peak=own``: calibrations stored before the peak was the child's
+    own (core.devices.peak_resident_bytes) counted the training process that launched them, and are not reused;
+    nor are those without a ``milp`` (their run loaded no solver), or with a backend (their process held it).
+    A run of several processes adds its layout: its ranks hold their own stages and shards, and a host measures
+    them all."""
+    if isolated_solves(torch.device("cpu")):
+        milp = "forked"
+    else:
+        from megatron_adacc.adacc.policy.strategies.base import select_backend
 
+        milp = select_backend()
     key = (f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536;"
-           f"peak=own;milp={select_backend()}")
+           f"peak=own;milp={milp}")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else 1
     if world > 1:
@@ -254,9 +269,8 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
     """Measure a short keep-everything run of the user's command and store its process baseline.
 
     The run is ``auto`` itself under a budget every policy fits, so its process holds what the user's holds
-    besides activations: the profile database, PuLP and the MILP backend (HiGHS is a library loaded into the
-    process, several MiB of resident memory) and the solver's working memory, which a run from a policy file
-    would leave out of the baseline and the user's ``auto`` run would then exceed its prediction by."""
+    besides activations: the profile database and, where the solves do not run in a child (:func:`isolated_solves`),
+    PuLP, the MILP backend and the solver's working memory."""
     from megatron_adacc.core import host
 
     runner = host.current()

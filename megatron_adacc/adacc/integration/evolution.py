@@ -40,6 +40,7 @@ from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile
 from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_stage, solve_stage
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
+from megatron_adacc.compat.process import forked
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
 from megatron_adacc.core.log import get_logger
 
@@ -226,6 +227,8 @@ class PolicyEvolution(TrainingExtension):
     in_flight: int = 1
     """Micro-batches whose activations the policy's layers hold at once (a pipeline stage's, under 1F1B): the
     solve and the comparison count each."""
+    isolate_solves: bool = False
+    """Re-solve in a forked child (``auto.isolated_solves``: on the CPU, where the budget is peak RSS)."""
     log: Callable[[str], None] = _default_log
     name: str = "adacc_evolution"
     state_optional = True  # evolution starts from the run's own profile and policy
@@ -321,10 +324,13 @@ class PolicyEvolution(TrainingExtension):
         chain = self.options.chain_aware
         current = evaluate_stage(self.profile, self.policy, self.in_flight, chain_aware=chain)
         candidate: Policy | None = None
+        def solve() -> tuple[Policy, Any]:
+            return solve_stage(self.profile, self.budget_bytes, self.options, layers=self.policy.num_layers,
+                               in_flight=self.in_flight, profile_ref=self.policy.profile,
+                               signature=self.policy.signature)
+
         try:
-            candidate, _ = solve_stage(self.profile, self.budget_bytes, self.options, layers=self.policy.num_layers,
-                                       in_flight=self.in_flight, profile_ref=self.policy.profile,
-                                       signature=self.policy.signature)
+            candidate, _ = forked(solve) if self.isolate_solves else solve()
         except InfeasibleBudgetError as e:
             reason = f"no policy fits any more ({e}); keeping the current one"
         cand = (evaluate_stage(self.profile, candidate, self.in_flight, chain_aware=chain)
@@ -395,6 +401,9 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
             stage = this_stage()
             _, layers, held = stage_layout(args, config)[stage]
             policy = policy.stage(stage * layers, layers) if policy.num_layers != layers else policy
+    from megatron_adacc.adacc.integration.auto import isolated_solves, run_device
+
     return PolicyEvolution(profile=profile, policy=policy, budget_bytes=float(policy.budget_bytes),
                            options=_solved_with(args, policy, profile), apply=apply,
-                           cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024), in_flight=held)
+                           cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024), in_flight=held,
+                           isolate_solves=isolated_solves(run_device(args)))

@@ -13,13 +13,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
-
-import pulp
+from typing import TYPE_CHECKING, Any
 
 from megatron_adacc.adacc.policy.cost_model import Problem
 from megatron_adacc.adacc.policy.policy import Decision, Policy
 from megatron_adacc.core.errors import AdaccError
+
+if TYPE_CHECKING:  # PuLP (and the backend it loads) only where an MILP is built: a training process that solves
+    import pulp  # in a child (adacc.integration.auto) never holds them
 
 MS = 1e3
 """Time enters the MILP in milliseconds; memory in units of 1/1000 of the room left for activations
@@ -36,11 +37,15 @@ class InfeasibleBudgetError(AdaccError, ValueError):
     def __init__(self, budget_bytes: float, min_feasible_bytes: int, detail: str = ""):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+        self.detail = detail
         super().__init__(
             f"no Adacc policy fits the memory budget of {budget_bytes:,.0f} bytes ({budget_bytes / 2**30:.3f} GiB); "
             f"the smallest feasible budget is {min_feasible_bytes:,} bytes ({min_feasible_bytes / 2**30:.3f} GiB)"
             f"{detail}. Raise --adacc-memory-budget, or lower the micro-batch size or sequence length."
         )
+
+    def __reduce__(self):  # noqa: ANN204 - pickled back from a solve in a child process (compat.process.forked)
+        return type(self), (self.budget_bytes, self.min_feasible_bytes, self.detail)
 
 
 @dataclass
@@ -98,6 +103,8 @@ def add_memory_bounds(prob: pulp.LpProblem, problem: Problem, room: float, per_o
     backward first, and at each op's forward in the last layer, the other layers hold what they stored.
     ``per_op[i]`` is op i's stored bytes in one layer and ``stages[s]`` the layer's bytes at stage s but the
     gradients, both in units of :func:`memory_unit`."""
+    import pulp
+
     unit = memory_unit(room)
     others = problem.num_layers - 1
     stored = pulp.lpSum(per_op)
@@ -142,6 +149,8 @@ def available_backends() -> list[str]:
 def select_backend(name: str | None = None) -> str:
     """The backend to solve with: ``name``, else the one :func:`milp_backend` set, else ``$ADACC_MILP_SOLVER``,
     else the first installed of :data:`BACKENDS`. Raises :class:`SolverUnavailable` naming the install command."""
+    import pulp
+
     wanted = (name or _FORCED.get() or os.environ.get(SOLVER_ENV) or "auto").strip().lower()
     if wanted != "auto" and wanted not in BACKENDS:
         raise SolverUnavailable(f"{SOLVER_ENV}={wanted!r} is not a MILP backend: use one of "
@@ -171,6 +180,8 @@ def milp_backend(name: str) -> Iterator[str]:
 def _solver_class(backend: str) -> type | None:
     """PuLP's solver class for ``backend`` when it can run here, else None. PuLP < 4 bundles CBC as
     ``PULP_CBC_CMD``; PuLP 4 dropped it, and its ``COIN_CMD`` runs a CBC found on PATH (or pulp[cbc]'s)."""
+    import pulp
+
     names = ("HiGHS",) if backend == "highs" else ("PULP_CBC_CMD", "COIN_CMD")
     for attr in names:
         cls = getattr(pulp, attr, None)
@@ -231,6 +242,8 @@ def run_milp(prob: pulp.LpProblem, backend: str, *, time_limit_s: float | None =
     """Solve ``prob`` with ``backend``: ``"Optimal"`` (proven), ``"Feasible"`` (a solution, e.g. at the time
     limit), ``"Infeasible"``, or the solver's word for anything else. PuLP 4 returns the outcome; PuLP 3 leaves
     it on the problem."""
+    import pulp
+
     outcome = prob.solve(milp_solver(backend, time_limit_s=time_limit_s, warm_start=warm_start))
     if hasattr(outcome, "has_solution"):
         proven = outcome.status == pulp.LpSolveStatus.Optimal

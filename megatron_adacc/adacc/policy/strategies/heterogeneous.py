@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pulp
 
 from megatron_adacc.adacc.policy.cost_model import Problem
 from megatron_adacc.adacc.policy.pareto import ParetoPoint, mix_bytes, pareto_front
@@ -97,6 +96,8 @@ def solve(problem: Problem, *, chain_aware: bool = True, time_limit_s: float | N
     proven = False
     backend = None
     if counts and len(front) > 2 and room is not None:
+        import pulp
+
         backend = select_backend()
         prob = pulp.LpProblem("adacc_heterogeneous", pulp.LpMinimize)
         # The transient is fixed at step 1's (the largest backward excess among its policies, or the

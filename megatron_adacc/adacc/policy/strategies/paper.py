@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-
-import pulp
+from typing import TYPE_CHECKING
 
 from megatron_adacc.adacc.policy.cost_model import Problem
 from megatron_adacc.adacc.policy.strategies.base import (
@@ -20,6 +19,9 @@ from megatron_adacc.adacc.policy.strategies.base import (
     select_backend,
 )
 
+if TYPE_CHECKING:  # imported where the MILP is built (strategies.base)
+    import pulp
+
 NAME = "paper"
 
 
@@ -34,6 +36,8 @@ def solve(problem: Problem) -> SolveResult:
 
 
 def _solve(problem: Problem, room: float | None, backend: str) -> list[int] | None:
+    import pulp
+
     unit = memory_unit(room)
     prob = pulp.LpProblem("adacc_paper", pulp.LpMinimize)
     # R_{i,t}: one binary per op and choice; choices carry their own action (recompute/compress/keep).
@@ -72,6 +76,8 @@ def _recomputed_at(prob: pulp.LpProblem, problem: Problem, x: list, rec: list[in
     down to their earliest readers, which reaches s when some op i of the segment is read at s or later, i.e. when ops
     k..i (or i..k) are all recomputed. A continuous ``z`` above each such conjunction carries op k's bytes; the
     bound only ever pushes it down, to the conjunction's value."""
+    import pulp
+
     n = problem.num_ops
     terms = []
     for k in range(n):
