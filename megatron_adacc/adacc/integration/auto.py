@@ -234,13 +234,14 @@ LOW_FRAGMENTATION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 def _run_key(args: Any) -> str:
     """What a calibrated process baseline depends on besides the profile: the micro-batch, the allocator, and the
-    MILP backend loaded into the process (:func:`_calibrate`): ``forked`` where the solves run in a child
-    (:func:`isolated_solves`), which loads none. ``peak=own``: calibrations stored before the peak was the child's
-    own (core.devices.peak_resident_bytes) counted the training process that launched them, and are not reused;
-    nor are those without a ``milp`` (their run loaded no solver), or with a backend (their process held it).
+    MILP backend loaded into the process (:func:`_calibrate`): ``forked`` where the calibration's solves ran in a
+    child (:func:`isolated_solves`: a fresh process on a system that forks), which loads none. ``peak=own``:
+    calibrations stored before the peak was the child's own (core.devices.peak_resident_bytes) counted the
+    training process that launched them, and are not reused; nor are those without a ``milp`` (their run loaded
+    no solver), or with a backend (their process held it).
     A run of several processes adds its layout: its ranks hold their own stages and shards, and a host measures
     them all."""
-    if isolated_solves(torch.device("cpu")):
+    if hasattr(os, "fork"):
         milp = "forked"
     else:
         from megatron_adacc.adacc.policy.strategies.base import select_backend
