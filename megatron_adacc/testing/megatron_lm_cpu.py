@@ -245,8 +245,8 @@ class _RebindingLoader(importlib.abc.Loader):
     def exec_module(self, module):
         self._loader.exec_module(module)
         _rebind(module)
-        if module.__name__ == "megatron.training.training" and record_path():
-            record_iterations(module, record_path())
+        if module.__name__ == "megatron.training.training" and (records := record_path()):
+            record_iterations(module, records)
 
     def __getattr__(self, name):  # get_resource_reader, is_package, ... of the real loader
         return getattr(self._loader, name)

@@ -31,8 +31,9 @@ tracking iteration (the paper's Fig. 4; ``report()["outlier_channels"]``). ``--a
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
@@ -100,9 +101,6 @@ class CodecTimings:
 
     def add(self, op: str, profiled: CodecProfile, sample: OpSample) -> OpSample:
         """``sample`` with its times replaced by the medians of ``op``'s latest times (``profiled``'s first)."""
-        import statistics
-        from dataclasses import replace
-
         seen = self.times.setdefault(op, [(profiled.compress_time_s, profiled.decompress_time_s)])
         if sample.compress_time_s is None or sample.decompress_time_s is None:
             return sample
