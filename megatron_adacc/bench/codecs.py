@@ -41,6 +41,7 @@ CODECS: dict[str, tuple[str, dict]] = {
     "int4_symmetric": ("int4_symmetric", {}),
     "int4_asymmetric": ("int4_asymmetric", {}),
     "int4_channelwise": ("int4_channelwise", {}),
+    "int4_smoothed": ("int4_smoothed", {}),
     "int4_outlier": ("int4_outlier", {}),
     "stochastic_4bit": ("stochastic", {"bits": 4}),
     "stochastic_2bit": ("stochastic", {"bits": 2}),

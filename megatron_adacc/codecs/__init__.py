@@ -24,7 +24,7 @@ from megatron_adacc.codecs.registry import CODECS, build
 def get_codec(name: str, **params: Any) -> Codec:
     """The codec ``name`` (one of `CODEC_NAMES`) with its parameters:
 
-    * ``"keep"``; ``"bitmask"``; ``"int4_channelwise"``
+    * ``"keep"``; ``"bitmask"``; ``"int4_channelwise"``; ``"int4_smoothed"``
     * ``"int4_symmetric"`` and ``"int4_asymmetric"``: ``group="row"`` (last dimension) or an int size
     * ``"int4_outlier"``: ``z_threshold=3.0``
     * ``"stochastic"``: ``bits`` in {1, 2, 4, 8} (default 4), ``group_size=256``

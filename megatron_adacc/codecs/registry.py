@@ -8,7 +8,13 @@ from typing import Any
 from megatron_adacc.codecs._backend import kernels as _kernels
 from megatron_adacc.codecs.base import Codec
 from megatron_adacc.codecs.bitmask import BitmaskCodec
-from megatron_adacc.codecs.int4 import Int4AsymmetricCodec, Int4ChannelwiseCodec, Int4OutlierCodec, Int4SymmetricCodec
+from megatron_adacc.codecs.int4 import (
+    Int4AsymmetricCodec,
+    Int4ChannelwiseCodec,
+    Int4OutlierCodec,
+    Int4SmoothedCodec,
+    Int4SymmetricCodec,
+)
 from megatron_adacc.codecs.keep import KeepCodec
 from megatron_adacc.codecs.stochastic import StochasticCodec
 
@@ -19,6 +25,7 @@ CODECS: dict[str, type[Codec]] = {
         Int4SymmetricCodec,
         Int4AsymmetricCodec,
         Int4ChannelwiseCodec,
+        Int4SmoothedCodec,
         Int4OutlierCodec,
         BitmaskCodec,
         StochasticCodec,

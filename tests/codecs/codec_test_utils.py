@@ -21,6 +21,7 @@ QUANTIZERS: list[tuple[str, dict]] = [
     ("int4_asymmetric", {}),
     ("int4_asymmetric", {"group": 5}),
     ("int4_channelwise", {}),
+    ("int4_smoothed", {}),
     ("int4_outlier", {}),
     ("int4_outlier", {"z_threshold": 1.0}),
     ("stochastic", {"bits": 1, "group_size": 9}),
@@ -89,6 +90,8 @@ def per_element_scale(name: str, p: Packed, x: torch.Tensor, scales: torch.Tenso
         return s.repeat_interleave(g)[:n].view(x.shape)
     if name == "int4_channelwise":
         return s.expand(rows, cols).reshape(x.shape)
+    if name == "int4_smoothed":
+        return (s[:, None] * t["factors"]).reshape(x.shape)
     s = s[:, None].expand(rows, cols).clone()
     s[:, t["index"].long()] = 0.0
     return s.reshape(x.shape)

@@ -18,7 +18,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def test_all_codec_names_are_registered():
     assert set(CODEC_NAMES) == {
-        "keep", "int4_symmetric", "int4_asymmetric", "int4_channelwise", "int4_outlier", "bitmask", "stochastic",
+        "keep", "int4_symmetric", "int4_asymmetric", "int4_channelwise", "int4_smoothed", "int4_outlier", "bitmask",
+        "stochastic",
     }
 
 
@@ -42,6 +43,7 @@ def test_size_formulas_by_hand():
     assert get_codec("int4_symmetric", group=7).compressed_nbytes(shape, f16) == 548 * 4 + 2 + 4 * 549
     assert get_codec("int4_asymmetric").compressed_nbytes(shape, f16) == 1920 + 8 * 40
     assert get_codec("int4_channelwise").compressed_nbytes(shape, f16) == 1920 + 4 * 96
+    assert get_codec("int4_smoothed").compressed_nbytes(shape, f16) == 1920 + 4 * 40 + 4 * 96
     assert get_codec("int4_outlier").compressed_nbytes(shape, f16, num_outliers=3) == 1920 + 160 + 40 * 3 * 2 + 12
     assert get_codec("bitmask").compressed_nbytes(shape, torch.bool) == 480
     assert get_codec("stochastic", bits=2, group_size=256).compressed_nbytes(shape, f16) == 960 + 8 * 15
@@ -193,6 +195,45 @@ def test_channelwise_error_at_most_half_a_step_per_channel():
     s = p.tensors["scales"]
     assert s.shape == (64,)
     assert ((q - codec.decompress(p)).abs() <= s / 2 * (1 + 1e-6)).all()
+
+
+def test_smoothed_is_plain_int4_where_no_channel_stands_out():
+    q = torch.randn(4, 128, 8, 64)  # [s, b, heads, head_dim]: channels of like magnitude
+    smoothed, plain = get_codec("int4_smoothed"), get_codec("int4_symmetric")
+    p, r = smoothed.compress(q), plain.compress(q)
+    assert torch.equal(p.tensors["factors"], torch.ones(64))
+    assert all(torch.equal(p.tensors[key], r.tensors[key]) for key in ("payload", "scales"))
+    assert torch.equal(smoothed.decompress(p), plain.decompress(r))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_smoothed_scales_outlier_channels_down_by_powers_of_two_and_errs_less(dtype):
+    k = activation_like((4, 128, 8, 64), dtype)  # channels 0 and 1 are 30x the rest
+    smoothed, plain, column = get_codec("int4_smoothed"), get_codec("int4_symmetric"), get_codec("int4_channelwise")
+    p = smoothed.compress(k)
+    f = p.tensors["factors"]
+    assert (f[:2] == 1).all() and (f[2:] < 1).all()
+    assert torch.equal(f, torch.exp2(torch.log2(f).round()))  # powers of two: the scaling is exact
+    # Within half a step of the scaled row, per channel: |x - x_hat| <= f_j * S_r / 2.
+    step = p.tensors["scales"].view(-1, 1) * f
+    error = (k.float() - smoothed.decompress(p).float()).view(-1, 64).abs()
+    assert (error <= step / 2 * (1 + 1e-5) + 2.0**-8 * k.float().abs().view(-1, 64)).all()
+
+    def mse(codec):
+        return (k.float() - codec.decompress(codec.compress(k)).float()).pow(2).mean()
+
+    assert mse(smoothed) < 0.5 * mse(plain) and mse(smoothed) < mse(column)
+
+
+def test_smoothed_codes_in_chunks_change_no_bit(monkeypatch):
+    from megatron_adacc.codecs import int4
+
+    monkeypatch.setattr(int4, "SMOOTHING_CHUNK", 1000)  # several chunks on a small tensor
+    k = activation_like((64, 96), torch.float32)
+    codec = get_codec("int4_smoothed")
+    whole = codec.decompress(codec.compress(k))
+    monkeypatch.undo()
+    assert torch.equal(whole, codec.decompress(codec.compress(k)))  # chunking changes no bit
 
 
 def test_outlier_channels_are_exact_and_the_rest_within_half_a_step():

@@ -61,6 +61,8 @@ def range_scales(name: str, params: dict, p: Packed, x: torch.Tensor) -> torch.T
     range: ``max(max+ / 7, -min- / 8)`` (symmetric), ``(max - min) / 15`` (asymmetric) and
     ``(max - min) / (2**bits - 1)`` (stochastic). Laid out like the stored ``scales``."""
     xd = x.double()
+    if name == "int4_smoothed":  # per row of the scaled tensor
+        xd = xd.reshape(-1, x.shape[-1]) / p.tensors["factors"].double()
     if name == "int4_channelwise":
         cols = xd.reshape(-1, x.shape[-1])
         mx, mn = cols.amax(0), cols.amin(0)

@@ -43,6 +43,6 @@ def test_decisions_hold_the_member_whatever_they_were_given() -> None:
 def test_policy_codecs_are_the_registry_codecs_but_keep() -> None:
     assert set(CODECS) == set(CODEC_NAMES) - {"keep"}
     # the schema and messages list the layer-specific codecs first, as before the registry owned the names
-    assert CODECS == ("int4_outlier", "int4_channelwise", "int4_asymmetric", "int4_symmetric", "bitmask",
-                      "stochastic")
+    assert CODECS == ("int4_outlier", "int4_smoothed", "int4_asymmetric", "int4_symmetric", "int4_channelwise",
+                      "bitmask", "stochastic")
     assert all(set(op.codecs) <= set(CODECS) for op in OPS)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from _runtime_helpers import decisions
 
 import megatron_adacc
-from megatron_adacc.adacc.policy.ops import OPS
+from megatron_adacc.adacc.policy.ops import OPS, OPS_BY_NAME
 from megatron_adacc.adacc.policy.policy import Decision, Policy
 from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward, small_tensor_numel
 from megatron_adacc.codecs.base import Codec
@@ -59,11 +59,13 @@ def _run(layer, chosen, monkeypatch) -> tuple[_Recorder, torch.Tensor]:
     return recorder, x
 
 
-def test_the_qkv_codec_sees_the_head_dimension_as_its_channels(layer, monkeypatch):
-    """Every tensor linear_qkv's channel-wise codec receives has the head dimension last and contiguous in memory:
+@pytest.mark.parametrize("codec", ["int4_smoothed", "int4_channelwise"])
+def test_the_qkv_codec_sees_the_head_dimension_as_its_channels(layer, monkeypatch, codec):
+    """Every tensor linear_qkv's channel-wise codecs receive has the head dimension last and contiguous in memory:
     K of the unfused scores too, which Megatron saves transposed ([b x heads, head dim, s])."""
-    recorder, _ = _run(layer, decisions(compress={"linear_qkv": "int4_channelwise"}), monkeypatch)
-    seen = [(shape, stride) for codec, shape, stride in recorder.seen if codec == "int4_channelwise"]
+    assert OPS_BY_NAME["linear_qkv"].codecs[:2] == ("int4_smoothed", "int4_channelwise")
+    recorder, _ = _run(layer, decisions(compress={"linear_qkv": codec}), monkeypatch)
+    seen = [(shape, stride) for name, shape, stride in recorder.seen if name == codec]
     assert len(seen) >= 3  # q, k and v (or the mixed QKV's views of them)
     for shape, stride in seen:
         assert shape[-1] == HEAD_DIM and stride[-1] == 1, (shape, stride)

@@ -93,7 +93,7 @@ def _spec(name: str, default: str, *extra: str, recomputable: bool = True, uses_
 OPS: tuple[OpSpec, ...] = (
     _spec("layer_input", "int4_outlier", recomputable=False),
     _spec("input_layernorm", "int4_outlier"),
-    _spec("linear_qkv", "int4_channelwise"),
+    _spec("linear_qkv", "int4_smoothed", "int4_channelwise"),
     _spec("scores", "int4_asymmetric", changed_by_reader=True),
     _spec("softmax", "int4_asymmetric"),
     # The runtime compresses an op's float tensors with the decision's codec and keeps non-float ones, so
