@@ -165,54 +165,72 @@ SMOOTHING_CHUNK = 1 << 18
 whatever the tensor's size, as the compiled codecs need none."""
 
 
-def smoothing_factors(x2: torch.Tensor) -> torch.Tensor:
-    """`Int4SmoothedCodec`'s per-channel factors for ``x2`` ([rows, channels]): float32 powers of two, on the device.
+SAMPLE_STRIDE = 7
+"""`channel_factors` reads every 7th row: prime to any power-of-two head count, so every head of Q, K or V is read."""
 
-    A channel's candidate factor is ``sqrt(channel max / tensor max)`` (SmoothQuant's migration strength 0.5)
-    rounded to a power of two, so that dividing by it and multiplying back are exact. The candidates replace 1s
-    only where they lower the expected squared error of per-row INT4: ``sum over rows of S_r^2 * sum of f_j^2``
-    against ``S_r^2 * channels`` unscaled (a step ``S`` errs by ``S^2 / 12`` on average). Channels of like
-    magnitude all round to 1, and so does every channel of a tensor holding NaN/Inf (left to the plain codes'
-    flag). No value is read on the host: on a GPU the choice costs no synchronization.
-    """
+
+def channel_factors(x2: torch.Tensor) -> torch.Tensor:
+    """`Int4SmoothedCodec`'s candidate factors for ``x2`` ([rows, channels]): float32 powers of two, on the device.
+
+    A channel's factor is ``sqrt(channel max / tensor max)`` (SmoothQuant's migration strength 0.5) rounded to a
+    power of two, so that dividing by it and multiplying back are exact. Channels within about 2.8x of the largest
+    round to 1; so does every channel of an all-zero tensor or of one holding NaN/Inf. The maxima are taken over
+    every `SAMPLE_STRIDE`-th row (outlier channels are a property of the channel, seen in any token): a seventh of
+    the reads, and a candidate the samples got wrong is caught by the codec's error estimate over every row. No
+    value is read on the host."""
     rows, cols = x2.shape
     ones = torch.ones(cols, dtype=torch.float32, device=x2.device)
     if rows * cols == 0:
         return ones
-    mn, mx = torch.aminmax(x2, dim=0)
-    peak = torch.maximum(mx.float(), -mn.float())
+    sample = x2[::SAMPLE_STRIDE] if rows >= 8 * SAMPLE_STRIDE else x2
+    # amax and amin rather than aminmax: torch's column aminmax runs ten times slower on the CPU
+    peak = torch.maximum(sample.amax(0).float(), -sample.amin(0).float())
     top = peak.max()
     ratio = (peak / top).clamp_min(torch.finfo(torch.float32).tiny)
-    candidate = torch.exp2(torch.round(0.5 * torch.log2(ratio)))
-    candidate = torch.where(torch.isfinite(top) & (top > 0) & torch.isfinite(candidate), candidate, ones)
-    rmn, rmx = torch.aminmax(x2, dim=1)
-    plain = (_symmetric_scale(rmx.float(), rmn.float()).double() ** 2).sum() * cols
-    smoothed = sum((_symmetric_scale(ymx.float(), ymn.float()).double() ** 2).sum()
-                   for ymn, ymx in (torch.aminmax(y, dim=1) for y in _scaled_chunks(x2, candidate)))
-    return torch.where(smoothed * (candidate.double() ** 2).sum() < plain, candidate, ones)
+    # 1 / factor must be finite in x's dtype: no smaller than 2^-15 for fp16
+    least = 2.0 ** (1 - math.frexp(torch.finfo(x2.dtype).max)[1])
+    factors = torch.exp2(torch.round(0.5 * torch.log2(ratio))).clamp_min(least)
+    usable = torch.isfinite(top) & (top > 0) & torch.isfinite(factors) & (peak > 0)  # a zero channel has nothing
+    return torch.where(usable, factors, ones)
 
 
 def _scaled_chunks(x2: torch.Tensor, factors: torch.Tensor):
-    """``x2 / factors`` in blocks of whole rows of about `SMOOTHING_CHUNK` elements (exact: powers of two)."""
+    """``x2 / factors`` in blocks of whole rows of about `SMOOTHING_CHUNK` elements (exact: powers of two). Every
+    block is a view of one scratch buffer, valid until the next is made: fresh blocks each paid their page faults."""
     rows, cols = x2.shape
     step = max(1, SMOOTHING_CHUNK // max(cols, 1))
     inverse = (1.0 / factors).to(x2.dtype)
+    scratch = torch.empty(min(step, rows), cols, dtype=x2.dtype, device=x2.device)
     for r0 in range(0, rows, step):
-        yield x2[r0:r0 + step] * inverse
+        block = x2[r0:r0 + step]
+        yield torch.mul(block, inverse, out=scratch[:block.shape[0]])
+
+
+def _squared_steps(scales: torch.Tensor) -> torch.Tensor:
+    return (scales.double() ** 2).sum()
+
+
+def _host_reads_are_free(device: torch.device) -> bool:
+    """Whether the codec may branch on a value of the data: on the CPU it costs nothing; on a GPU it would stall
+    the launch queue at every Q, K and V, so both encodings are made there and one is selected on the device."""
+    return device.type == "cpu"
 
 
 class Int4SmoothedCodec(Codec):
-    """Symmetric INT4 per row after dividing each channel (last dimension) by a power-of-two factor, for Q, K, V.
+    """Symmetric INT4 per row after dividing each channel (last dimension) by a power of two, for Q, K and V.
 
     The paper quantizes Q, K and V per channel because trained models put their outliers in a few fixed
     channels. One scale per channel over every token is then far coarser than plain INT4's scale per row
     (per token and head): on the untrained models of ``adacc bench gradients`` it has 1.4-1.5x plain INT4's
-    gradient error. This codec keeps the channel-wise view where it pays: each channel is divided by its
-    `smoothing_factors` factor (1 for channels of like magnitude, less for outlier channels, so that a row's scale
-    is no longer set by them), and the result is quantized per row as `Int4SymmetricCodec` does. Where no channel
-    stands out every factor is 1 and the codes and scales are exactly plain INT4's. Decode multiplies the per-row
-    decode by the factors. Size: plain INT4's ``rows * ceil(channels / 2) + 4 * rows``, plus ``4 * channels``.
-    Working memory: a scaled copy of at most `SMOOTHING_CHUNK` elements at a time.
+    gradient error. This codec keeps the channel-wise view where it pays. Each channel is divided by its
+    `channel_factors` factor (1 for channels of like magnitude, less for outlier channels, so that a row's scale is
+    no longer set by them) and the result is quantized per row as `Int4SymmetricCodec` does, if that lowers the
+    expected squared error: ``sum over rows of S_r^2 * sum of f_j^2`` against ``S_r^2 * channels`` unscaled (a
+    step ``S`` errs by ``S^2 / 12`` on average). Otherwise, and wherever every factor is 1, the codes and scales
+    are exactly plain INT4's and the stored factors are 1. Decode multiplies the per-row decode by the factors.
+
+    Size: plain INT4's ``rows * ceil(channels / 2) + 4 * rows``, plus ``4 * channels``. Working memory: a scaled
+    copy of at most `SMOOTHING_CHUNK` elements at a time.
     """
 
     name = "int4_smoothed"
@@ -231,24 +249,38 @@ class Int4SmoothedCodec(Codec):
         rows, cols = rows_cols(x.shape)
         x2 = x.contiguous().view(rows, cols)
         group = max(cols, 1)
-        factors = smoothing_factors(x2)
+        factors = channel_factors(x2)
+        ones = torch.ones_like(factors)
+        on_host = _host_reads_are_free(x.device)
+        if rows * cols == 0 or (on_host and bool((factors == 1).all())):
+            return self._packed(x, self._k.sym_int4_compress(x2.view(-1), group), ones)
         parts = [self._k.sym_int4_compress(y.reshape(-1), group) for y in _scaled_chunks(x2, factors)]
-        if not parts:  # no rows
-            parts = [self._k.sym_int4_compress(x2.reshape(-1), group)]
-        payload, scales, bad = (torch.cat([part[i] for part in parts]) if len(parts) > 1 else parts[0][i]
-                                for i in range(3))
-        if len(parts) > 1:
-            bad = bad.amax().reshape(1)
-        return Packed(self.name, x.shape, x.dtype, x.device,
-                      {"payload": payload, "scales": scales, "factors": factors}, {"group": group},
-                      {"nonfinite": bad})
+        scaled = (*(torch.cat([part[i] for part in parts]) for i in (0, 1)), parts[0][2])  # finite where scaled
+        plain_steps = _squared_steps(_symmetric_scale(x2.amax(1).float(), x2.amin(1).float())) * cols
+        # False where the scaled values overflowed (a channel larger in rows the samples skipped): plain INT4 then
+        use = _squared_steps(scaled[1]) * _squared_steps(factors) < plain_steps
+        if on_host and bool(use):
+            return self._packed(x, scaled, factors)
+        plain = self._k.sym_int4_compress(x2.view(-1), group)
+        if on_host:
+            return self._packed(x, plain, ones)
+        return self._packed(x, (torch.where(use, scaled[0], plain[0]), torch.where(use, scaled[1], plain[1]),
+                                plain[2]), torch.where(use, factors, ones))
+
+    def _packed(self, x: torch.Tensor, codes: tuple, factors: torch.Tensor) -> Packed:
+        payload, scales, bad = codes
+        group = max(rows_cols(x.shape)[1], 1)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "scales": scales, "factors": factors},
+                      {"group": group}, {"nonfinite": bad})
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
         rows, cols = rows_cols(p.shape)
         out = torch.empty(rows, cols, dtype=p.dtype, device=p.device)
         self._k.sym_int4_decompress(p.tensors["payload"], p.tensors["scales"], p.meta["group"], out.view(-1))
-        out.mul_(p.tensors["factors"].to(p.dtype))  # exact: powers of two, 1 where nothing was scaled
+        factors = p.tensors["factors"]
+        if not (_host_reads_are_free(p.device) and bool((factors == 1).all())):
+            out.mul_(factors.to(p.dtype))  # exact: powers of two
         return mark_nonfinite(out, p.nonfinite).view(p.shape)
 
 

@@ -225,6 +225,41 @@ def test_smoothed_scales_outlier_channels_down_by_powers_of_two_and_errs_less(dt
     assert mse(smoothed) < 0.5 * mse(plain) and mse(smoothed) < mse(column)
 
 
+@pytest.mark.parametrize(("outliers", "nan"), [(0, False), (2, False), (2, True)], ids=["like", "outliers", "nan"])
+def test_smoothed_selects_on_the_device_what_the_host_picks(monkeypatch, outliers, nan):
+    """On a GPU the codec makes both encodings and selects one without a host read; the result is the CPU's."""
+    from megatron_adacc.codecs import int4
+
+    k = activation_like((4, 128, 8, 64), torch.float32, outlier_channels=outliers)
+    if nan:
+        k[1, 2, 3, 4] = float("nan")
+    codec = get_codec("int4_smoothed")
+    host = codec.compress(k)
+    monkeypatch.setattr(int4, "_host_reads_are_free", lambda device: False)
+    device = codec.compress(k)
+    for key in ("payload", "scales", "factors"):
+        assert torch.equal(host.tensors[key].view(torch.uint8), device.tensors[key].view(torch.uint8)), key
+    assert bool((host.tensors["factors"] == 1).all()) == (outliers == 0 or nan)
+    assert int(host.nonfinite.item()) == int(device.nonfinite.item()) == int(nan)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu", "device"])
+def test_smoothed_falls_back_to_plain_int4_where_a_sampled_factor_would_overflow(monkeypatch, on_host):
+    """The factors come from every 7th row; a channel far larger in a skipped row overflows fp16 once divided by its
+    factor, and the codec then stores plain INT4 (finite input never decodes to NaN or Inf)."""
+    from megatron_adacc.codecs import int4
+
+    monkeypatch.setattr(int4, "_host_reads_are_free", lambda device: on_host)
+    x = torch.randn(700, 8)
+    x[:, 0] *= 1000  # the sampled maximum: channel 1 gets a factor of 1/32
+    x[1, 1] = 60000.0  # row 1 is not sampled; 60000 * 32 is past fp16's 65504
+    x = x.half()
+    smoothed, plain = get_codec("int4_smoothed"), get_codec("int4_symmetric")
+    p = smoothed.compress(x)
+    assert int(p.nonfinite.item()) == 0 and torch.equal(p.tensors["factors"], torch.ones(8))
+    assert torch.equal(smoothed.decompress(p), plain.decompress(plain.compress(x)))
+
+
 def test_smoothed_codes_in_chunks_change_no_bit(monkeypatch):
     from megatron_adacc.codecs import int4
 
