@@ -50,3 +50,8 @@ def install(host: Host) -> None:
     Megatron-LM's script); installing one of the same class again changes nothing."""
     if type(_CURRENT[-1]) is not type(host):
         _CURRENT.append(host)
+
+
+def uninstall(kind: type[Host]) -> None:
+    """Undo :func:`install` for hosts of class ``kind`` (a session that is forgotten)."""
+    _CURRENT[1:] = [h for h in _CURRENT[1:] if type(h) is not kind]  # the process's own host stays

@@ -518,6 +518,10 @@ def attach(model: Any, optimizer: Any, args: Any) -> list[Any]:
 
 
 def reset() -> None:
-    """Forget the current session (tests)."""
+    """Forget the current session and the host it installed (tests)."""
+    from megatron_adacc.core import host
+    from megatron_adacc.megatron_lm.host import MegatronLMHost
+
     global _SESSION
     _SESSION = None
+    host.uninstall(MegatronLMHost)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_adacc import megatron_lm
 from megatron_adacc.compat.process import solo_environment
 from megatron_adacc.core import host
 from megatron_adacc.megatron_lm.host import MEASURE_ENV, MegatronLMHost, apply_request, child_command
@@ -82,6 +83,8 @@ def test_installing_the_host_twice_keeps_one(monkeypatch):
     host.install(MegatronLMHost())
     host.install(MegatronLMHost())
     assert isinstance(host.current(), MegatronLMHost) and len(host._CURRENT) == 2
+    megatron_lm.reset()  # forgetting the session uninstalls its host
+    assert type(host.current()) is host.Host and len(host._CURRENT) == 1
 
 
 def test_a_run_of_several_processes_is_measured_under_torchrun_with_what_it_runs():
