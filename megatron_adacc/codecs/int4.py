@@ -173,8 +173,8 @@ def channel_factors(x2: torch.Tensor) -> torch.Tensor:
     """`Int4SmoothedCodec`'s candidate factors for ``x2`` ([rows, channels]): float32 powers of two, on the device.
 
     A channel's factor is ``sqrt(channel max / tensor max)`` (SmoothQuant's migration strength 0.5) rounded to a
-    power of two, so that dividing by it and multiplying back are exact. Channels within about 2.8x of the largest
-    round to 1; so does every channel of an all-zero tensor or of one holding NaN/Inf. The maxima are taken over
+    power of two, so that dividing by it and multiplying back are exact. Channels within 2x of the largest round
+    to 1; so does every channel of an all-zero tensor or of one holding NaN/Inf. The maxima are taken over
     every `SAMPLE_STRIDE`-th row (outlier channels are a property of the channel, seen in any token): a seventh of
     the reads, and a candidate the samples got wrong is caught by the codec's error estimate over every row. No
     value is read on the host."""
@@ -255,7 +255,8 @@ class Int4SmoothedCodec(Codec):
         if rows * cols == 0 or (on_host and bool((factors == 1).all())):
             return self._packed(x, self._k.sym_int4_compress(x2.view(-1), group), ones)
         parts = [self._k.sym_int4_compress(y.reshape(-1), group) for y in _scaled_chunks(x2, factors)]
-        scaled = (*(torch.cat([part[i] for part in parts]) for i in (0, 1)), parts[0][2])  # finite where scaled
+        # its NaN/Inf flag is never needed: the scaled codes are kept only where the estimate, so the input, is finite
+        scaled = (*(torch.cat([part[i] for part in parts]) for i in (0, 1)), parts[0][2])
         plain_steps = _squared_steps(_symmetric_scale(x2.amax(1).float(), x2.amin(1).float())) * cols
         # False where the scaled values overflowed (a channel larger in rows the samples skipped): plain INT4 then
         use = _squared_steps(scaled[1]) * _squared_steps(factors) < plain_steps
