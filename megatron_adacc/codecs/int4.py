@@ -252,8 +252,15 @@ class Int4SmoothedCodec(Codec):
         factors = channel_factors(x2)
         ones = torch.ones_like(factors)
         on_host = _host_reads_are_free(x.device)
+
+        def packed(codes: tuple, kept_factors: torch.Tensor) -> Packed:
+            payload, scales, bad = codes
+            return Packed(self.name, x.shape, x.dtype, x.device,
+                          {"payload": payload, "scales": scales, "factors": kept_factors}, {"group": group},
+                          {"nonfinite": bad})
+
         if rows * cols == 0 or (on_host and bool((factors == 1).all())):
-            return self._packed(x, self._k.sym_int4_compress(x2.view(-1), group), ones)
+            return packed(self._k.sym_int4_compress(x2.view(-1), group), ones)
         parts = [self._k.sym_int4_compress(y.reshape(-1), group) for y in _scaled_chunks(x2, factors)]
         # its NaN/Inf flag is never needed: the scaled codes are kept only where the estimate, so the input, is finite
         scaled = (*(torch.cat([part[i] for part in parts]) for i in (0, 1)), parts[0][2])
@@ -261,18 +268,12 @@ class Int4SmoothedCodec(Codec):
         # False where the scaled values overflowed (a channel larger in rows the samples skipped): plain INT4 then
         use = _squared_steps(scaled[1]) * _squared_steps(factors) < plain_steps
         if on_host and bool(use):
-            return self._packed(x, scaled, factors)
+            return packed(scaled, factors)
         plain = self._k.sym_int4_compress(x2.view(-1), group)
         if on_host:
-            return self._packed(x, plain, ones)
-        return self._packed(x, (torch.where(use, scaled[0], plain[0]), torch.where(use, scaled[1], plain[1]),
-                                plain[2]), torch.where(use, factors, ones))
-
-    def _packed(self, x: torch.Tensor, codes: tuple, factors: torch.Tensor) -> Packed:
-        payload, scales, bad = codes
-        group = max(rows_cols(x.shape)[1], 1)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "scales": scales, "factors": factors},
-                      {"group": group}, {"nonfinite": bad})
+            return packed(plain, ones)
+        return packed((torch.where(use, scaled[0], plain[0]), torch.where(use, scaled[1], plain[1]), plain[2]),
+                      torch.where(use, factors, ones))
 
     def decompress(self, p: Packed) -> torch.Tensor:
         self._check_packed(p)
