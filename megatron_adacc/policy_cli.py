@@ -264,7 +264,7 @@ def cmd_solve(args: SimpleNamespace) -> int:
     if args.analytic:
         profile, ref = analytic_profile(model_signature(config, args)), None
     else:
-        from megatron_adacc.adacc.integration.auto import get_or_make_profile, process_baseline
+        from megatron_adacc.adacc.integration.auto import codec_pages, get_or_make_profile, process_baseline
         from megatron_adacc.core.devices import resident_bytes
         from megatron_adacc.training import distributed
 
@@ -275,6 +275,7 @@ def cmd_solve(args: SimpleNamespace) -> int:
             # On the CPU the budget is the training process's peak RSS, which also holds the interpreter and the
             # libraries: the figure auto calibrated for this profile, else this process's own resident size.
             options.process_baseline_bytes = process_baseline(args, profile, ref, resident, LOG.info)
+            options.codec_pages_bytes = codec_pages(args, ref)
     policy, result = solve_policy(profile, budget, options, profile_ref=ref, signature=model_signature(config, args))
     path = save_policy(policy, args.output)
     log.echo(render_policy(policy, profile, budget=budget))

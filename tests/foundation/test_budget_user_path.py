@@ -67,7 +67,9 @@ def test_a_cold_cache_run_keeps_its_budget(tmp_path):
     figures = {k: report[k] for k in ("peak_bytes", "predicted_peak_bytes", "budget_bytes")}
     assert report["over_budget"] is False and summary["peak_memory_bytes"] <= budget, figures
     assert report["decisions"] != {"keep": 52}  # the budget made Adacc save memory
-    assert ProfileDB(db).get_baseline(1, auto._run_key(parse_train_args([]))) is not None
+    key = auto._run_key(parse_train_args([]))
+    assert ProfileDB(db).get_baseline(1, key) is not None
+    assert ProfileDB(db).get_baseline(1, key + auto._CODEC_PAGES) is not None  # the compressing run's share
 
 
 def test_cold_and_warm_profile_caches_train_bit_for_bit(tmp_path, monkeypatch):
@@ -149,6 +151,21 @@ def test_the_calibrated_process_memory_covers_the_peak_and_every_traced_stage():
     traced = [{"stage": "F2/linear_fc1", "peak_bytes": forward["F2/linear_fc1"] + 12e6},
               {"stage": "F1/linear_fc1", "peak_bytes": forward["F1/linear_fc1"] + 30e6}]  # not the bound's own layer
     assert abs(auto.baseline_from_run(profile, int(total + 1e6), traced) - 12e6) <= 1
+
+
+def test_a_compressing_calibration_run_is_read_against_its_own_policy():
+    """The compressing calibration run compresses every op with its layer-specific codec: its excess is read
+    against that policy's bounds, not the keep-everything ones (which would put every stage tens of MiB under)."""
+    from megatron_adacc.adacc.policy.policy import Policy
+    from megatron_adacc.adacc.policy.profile import analytic_profile
+    from megatron_adacc.adacc.policy.solver import evaluate_policy
+
+    sig = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32, micro_batch_size=2,
+               dtype="float32", num_layers=3, vocab_size=256)
+    profile = analytic_profile(sig)
+    compress = evaluate_policy(profile, Policy.uniform("compress", 3))["memory_bytes"]
+    assert compress < evaluate_policy(profile, Policy.all_keep(3))["memory_bytes"]
+    assert abs(auto.baseline_from_run(profile, int(compress + 3e6), [], compressing=True) - 3e6) <= 1
 
 
 def test_a_profile_of_another_model_is_not_reused(tmp_path, monkeypatch):

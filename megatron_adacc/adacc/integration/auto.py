@@ -11,6 +11,7 @@ import torch
 
 from megatron_adacc.adacc.integration import profile_child
 from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout
+from megatron_adacc.adacc.policy.ops import Action
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import LayerProfile
 from megatron_adacc.adacc.policy.profile_db import ProfileDB
@@ -130,10 +131,13 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
     resident = resident_bytes()  # before profiling, which may run in this process
     layer, ref = _stored_or_new_profile(args, config, log, False, isolate)
     profile = charge_static(layer, args, config)
+    if getattr(args, CALIBRATION_RUN, False) == COMPRESSING:
+        return Policy.uniform("compress", config.num_layers)  # its process as auto's, its policy compressing
     if (device.type == "cpu" and not getattr(args, "adacc_process_baseline_bytes", None)
             and not getattr(args, CALIBRATION_RUN, False)):
         # Kept on args so that policy evolution re-solves against the same process memory.
         args.adacc_process_baseline_bytes = process_baseline(args, profile, ref, resident, log)
+        args.adacc_codec_pages_bytes = codec_pages(args, ref)
     options = SolveOptions.from_args(args)
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
     return on_rank0(lambda: solve_stages(layer, ref, args, config, budget, options, log,
@@ -259,15 +263,32 @@ def _run_key(args: Any) -> str:
 
 
 #: Set on the arguments of a calibration run (never a flag): the run solves its own policy as the user's
-#: ``auto`` does, and must not calibrate in turn.
+#: ``auto`` does, and must not calibrate in turn. Set to :data:`COMPRESSING`, the run installs every op's
+#: layer-specific codec instead (:func:`codec_pages`).
 CALIBRATION_RUN = "adacc_calibration_run"
+COMPRESSING = "compressing"
+#: The run key's suffix under which a calibration stores :func:`codec_pages`.
+_CODEC_PAGES = ";codec_pages"
+
+
+def codec_pages(args: Any, ref: dict[str, Any]) -> int:
+    """What a compressing policy's process holds beyond a keep-everything one's, as this profile's calibration
+    measured it for this run (:func:`_calibrate`); 0 where it measured none (several ranks, no trace)."""
+    return ProfileDB(ref["db"]).get_baseline(int(ref["id"]), _run_key(args) + _CODEC_PAGES) or 0
+
+
+#: Steps of each calibration run. A process's heap grows over its first steps and then settles (llama-tiny with
+#: a compressing policy: 2.6 MiB from step 2 to 6, 1 more by step 20); two steps left every later step's
+#: peak up to 3.6 MiB over its prediction.
+CALIBRATION_STEPS = 8
 #: The budget a calibration run solves for: one every policy fits, so the solver keeps everything (the fastest).
 _UNBOUNDED = 2**62
 
 
 def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: ProfileDB, key: str,
                log: Callable[[str], None]) -> None:
-    """Measure a short keep-everything run of the user's command and store its process baseline.
+    """Measure a short keep-everything run of the user's command and store its process baseline, and a
+    compressing one for :func:`codec_pages_from_runs` (one process: several ranks store no such figure).
 
     The run is ``auto`` itself under a budget every policy fits, so its process holds what the user's holds
     besides activations: the profile database and, where the solves do not run in a child (:func:`isolated_solves`),
@@ -277,15 +298,15 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
     runner = host.current()
     if not runner.runs_training:
         return
-    log(f"calibrating the process memory: two keep-everything steps of this command ({runner.name}) in child "
-        "processes, once per profile, micro-batch size and parallel layout")
+    log(f"calibrating the process memory: {CALIBRATION_STEPS} keep-everything steps of this command ({runner.name}), "
+        "and compressing ones, in child processes, once per profile, micro-batch size and parallel layout")
 
-    def measured(trace: bool) -> dict | None:
-        return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy="auto", train_iters=2,
-                                  adacc_no_evolution=True, adacc_predict_memory=False,
+    def measured(trace: bool, run: bool | str = True) -> dict | None:
+        return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy="auto",
+                                  train_iters=CALIBRATION_STEPS, adacc_no_evolution=True, adacc_predict_memory=False,
                                   adacc_memory_budget=_UNBOUNDED, adacc_memory_headroom=0.0,
                                   adacc_process_baseline_bytes=None, adacc_trace_backward=trace,
-                                  **{CALIBRATION_RUN: True})
+                                  **{CALIBRATION_RUN: run})
 
     # The peak comes from a run exactly as the user's runs: a traced one runs keep-everything layers through
     # the runtime's decomposition instead of megatron's forward.
@@ -307,26 +328,42 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
                                                  for r, report in zip(ranks, reports)))
         return
     traced = ((traced_run or {}).get("extensions") or {}).get("adacc", {}).get("backward_stages") or []
-    db.put_baseline(int(ref["id"]), key, baseline_from_run(profile, int(run["peak_memory_bytes"]), traced))
+    baseline = baseline_from_run(profile, int(run["peak_memory_bytes"]), traced)
+    db.put_baseline(int(ref["id"]), key, baseline)
+    if getattr(args, "adacc_codec", None) != "none" and stages.supported():  # a lossless run never compresses
+        # What a compressing policy's process holds beyond a keep-everything one's: the pages of the codecs'
+        # kernels, and a heap that their small tensors (scales, outlier indices) grow over the first steps. Seen
+        # at the stages: on llama-tiny the compressing run's peak was predicted within 0.6 MiB while its
+        # forward began 3 MiB over.
+        compressing = measured(True, COMPRESSING)
+        if compressing is not None:
+            traced = ((compressing.get("extensions") or {}).get("adacc") or {}).get("backward_stages") or []
+            db.put_baseline(int(ref["id"]), key + _CODEC_PAGES, max(0, baseline_from_run(
+                profile, int(compressing["peak_memory_bytes"]), traced, compressing=True) - baseline))
 
 
-def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[str, Any]]) -> int:
-    """The process memory outside the cost model, from a keep-everything run of ``profile``'s model: what its
-    peak exceeds the model's prediction by, or, where the run was traced, the largest excess of a measured stage
-    over its bound (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the head and the backward and
-    forward stages of the last layer (the bound's own case) when that is larger, so that no stage of the
-    calibration run is predicted under what it measured. The peak counts as well because it need not be in a
-    traced stage (the trace covers the first micro-batch of a step, not the optimizer step or what runs before
-    training)."""
+def baseline_from_run(profile: LayerProfile, peak_bytes: int, traced: list[dict[str, Any]], *,
+                      compressing: bool = False) -> int:
+    """The process memory outside the cost model, from a keep-everything run of ``profile``'s model (with
+    ``compressing``, a run compressing every op with its layer-specific codec): what its peak exceeds the model's
+    prediction by, or, where the run was traced, the largest excess of a measured stage over its bound
+    (:func:`~megatron_adacc.adacc.runtime.stages.bounds`) among the head and the backward and forward stages of
+    the last layer (the bound's own case) when that is larger, so that no stage of the calibration run is
+    predicted under what it measured. The peak counts as well because it need not be in a traced stage (the
+    trace covers the first micro-batch of a step, not the optimizer step or what runs before training)."""
     from megatron_adacc.adacc.policy.solver import make_problem
 
     problem = make_problem(profile, None, SolveOptions())
-    keep = problem.stock_picks()
+    picks = problem.stock_picks()
+    if compressing:
+        picks = [next((k for k, c in enumerate(cs) if c.decision.action == Action.COMPRESS), keep)
+                 for cs, keep in zip(problem.choices, picks)]
     n = problem.num_layers
-    stored = problem.layer_memory(keep, stash=True)
+    stored = problem.layer_memory(picks, stash=True)
     bound = stages.bounds(problem.fixed_bytes, problem.workspace_bytes, [stored] * n,
-                          [problem.stage_bytes(keep, stash=True)] * n, [problem.forward_stages(keep, stash=True)] * n)
+                          [problem.stage_bytes(picks, stash=True)] * n,
+                          [problem.forward_stages(picks, stash=True)] * n)
     last = (f"L{n - 1}/", f"F{n - 1}/")
     excess = [s["peak_bytes"] - bound[s["stage"]] for s in traced
               if s["stage"] == "head" or s["stage"].startswith(last) and s["stage"] in bound]
-    return int(round(max([peak_bytes - problem.total_memory([keep] * n, stash=True), *excess])))
+    return int(round(max([peak_bytes - problem.total_memory([picks] * n, stash=True), *excess])))

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_adacc.adacc.policy.ops import OP_NAMES, OPS
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 """The profile format. Profiles of another version are not migrated: :meth:`LayerProfile.from_json` refuses
 them and the database skips them, so the caller profiles again. The number goes up whenever old profiles would
 mislead the cost model: 2 made ``workspace_bytes`` only the policy-independent transient (version 1 also
@@ -27,7 +27,9 @@ by output, with the ops reading each (``stash``), so a segment that reads an out
 on its outputs, which a segment's stash compresses), which earlier versions zeroed; 9 calibrates codec and
 recompute times and the runtime's overhead from alternating runs (earlier ones, timed one variant after the other,
 could read a host's slow-down as any of them), and measures the tiled MLP re-run's cost per tile
-(``tile_overhead_s``)."""
+(``tile_overhead_s``); 10 sizes the ops with an input that wants its gradient, as in training (version 9's
+detached sample left an RMSNorm's saved input and ``rstd`` out of ``input_layernorm``: half a residual stream per
+kept layer short, which the process calibration then added to every policy)."""
 
 
 @dataclass

@@ -35,6 +35,11 @@ class SolveOptions:
     process_baseline_bytes: float = 0.0
     """Memory the process holds besides the model (on the CPU: the interpreter, torch and megatron-core, whose
     pages count in peak RSS, the CPU's measure of the budget). Added to the static memory of eq. 7."""
+    codec_pages_bytes: float = 0.0
+    """What a policy that compresses anything adds to :attr:`process_baseline_bytes` (on the CPU: the pages of the
+    codecs' kernels and the buffers they keep, which a keep-everything run never touches; measured once per profile
+    by ``auto``'s calibration, set on the run's arguments as ``adacc_codec_pages_bytes``). The solver charges it
+    only to policies that compress: it weighs the best of those against the best of those that do not."""
     headroom: float = 0.01
     """Fraction of the budget the solver leaves free for what the cost model does not see (allocator
     fragmentation, run-to-run variation of the peak). Measured peaks on the CPU came within 0.6% of the
@@ -72,19 +77,23 @@ class SolveOptions:
                    outlier_z=getattr(args, "adacc_outlier_z", 3.0) or 3.0,
                    outlier_separation=not getattr(args, "adacc_no_outlier_separation", False),
                    process_baseline_bytes=float(getattr(args, "adacc_process_baseline_bytes", 0.0) or 0.0),
+                   codec_pages_bytes=float(getattr(args, "adacc_codec_pages_bytes", 0.0) or 0.0),
                    headroom=0.01 if headroom is None else float(headroom),
                    headroom_min_bytes=HEADROOM_FLOOR_BYTES if headroom is None else 0.0,
                    mlp_tiles=int(getattr(args, "adacc_mlp_tiles", 8) or 1))
 
 
 def make_problem(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions,
-                 *, num_layers: int | None = None) -> Problem:
+                 *, num_layers: int | None = None, compressing: bool = True) -> Problem:
+    """The MILP's problem under ``options``; with ``compressing`` False (or the codec family ``none``) no op
+    is offered a codec, and the static memory does not carry :attr:`SolveOptions.codec_pages_bytes`."""
     if options.codec_family not in CODEC_FAMILIES:
         raise ValueError(f"codec family must be one of {', '.join(CODEC_FAMILIES)}, got {options.codec_family!r}")
-    lossless = options.codec_family == "none"
+    lossless = options.codec_family == "none" or not compressing
     return build_problem(
         profile, budget_bytes, codecs=options.codecs, num_layers=num_layers,
-        static_bytes=profile.static_bytes + options.process_baseline_bytes,
+        static_bytes=profile.static_bytes + options.process_baseline_bytes
+        + (0.0 if lossless else options.codec_pages_bytes),
         only_codec="stochastic" if options.codec_family == "gact" else None,
         codec_params={OUTLIER_CODEC: {"z_threshold": float(options.outlier_z)}},
         codec_substitutes=None if options.outlier_separation else {OUTLIER_CODEC: "int4_symmetric"},
@@ -108,28 +117,31 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     failed: list[InfeasibleBudgetError] = []
     # lossless (--adacc-codec none) promises stock Megatron's gradients bit for bit, which tiles do not keep
     tiling = max(int(options.mlp_tiles), 1) if options.codec_family != "none" else 1
-    untiled = make_problem(profile, usable, options, num_layers=num_layers)
-    for tiles in dict.fromkeys((1, tiling)):
-        problem = tile_mlp(untiled, tiles, mlp_weight_bytes(profile.signature))
-        try:
-            solved.append((problem, solve(problem, chain_aware=options.chain_aware,
-                                          heterogeneous=options.heterogeneous)))
-        except InfeasibleBudgetError as e:
-            failed.append(e)
-            continue
-        # every layer of a tiled policy re-runs its MLP: no faster than an untiled one that costs no more
-        if tiles == 1 and solved[0][1].predicted_time_s <= problem.num_layers * tiled_block_time(problem, tiling):
-            break
+    # a policy that compresses carries the codecs' pages; the best of those that do not may then be faster
+    variants = (True, False) if options.codec_pages_bytes and options.codec_family != "none" else (True,)
+    for compressing in variants:
+        untiled = make_problem(profile, usable, options, num_layers=num_layers, compressing=compressing)
+        for tiles in dict.fromkeys((1, tiling)):
+            problem = tile_mlp(untiled, tiles, mlp_weight_bytes(profile.signature))
+            try:
+                result = solve(problem, chain_aware=options.chain_aware, heterogeneous=options.heterogeneous)
+            except InfeasibleBudgetError as e:
+                failed.append(e)
+                continue
+            solved.append((problem, result))
+            # every layer of a tiled policy re-runs its MLP: no faster than an untiled one that costs no more
+            if tiles == 1 and result.predicted_time_s <= problem.num_layers * tiled_block_time(problem, tiling):
+                break
     if not solved:
         e = min(failed, key=lambda e: e.min_feasible_bytes)
         if not options.headroom and not options.headroom_min_bytes:
             raise e
         raise InfeasibleBudgetError(budget_bytes, options.needed_budget(e.min_feasible_bytes),
                                     f" (with {options.headroom_text()}, --adacc-memory-headroom)") from None
-    # tiles only where they buy time or fit where nothing untiled does: untiled, gradients stay bit-exact
-    problem, result = min(solved, key=lambda pair: pair[1].predicted_time_s)
-    if result.predicted_time_s >= solved[0][1].predicted_time_s:
-        problem, result = solved[0]
+    # tiles only where they buy time or fit where nothing untiled does: untiled, gradients stay bit-exact; of
+    # equally fast ones, the one holding less (a compressing variant's answer that compresses nothing, say)
+    problem, result = min(solved, key=lambda pair: (pair[1].predicted_time_s, _tiles(pair[1]) > 1,
+                                                    pair[1].predicted_memory_bytes))
     sig = dict(signature if signature is not None else profile.signature)
     if num_layers is not None:
         sig["num_layers"] = int(num_layers)
@@ -147,6 +159,11 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
         for p in result.layer_picks]
     policy.op_costs = op_costs(profile, policy)
     return policy, result
+
+
+def _tiles(result: SolveResult) -> int:
+    """How many tiles the MLP of ``result``'s layers re-runs in (1: untiled)."""
+    return max(d.tiles for layer in result.decisions for d in layer)
 
 
 def solve_stage(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions, *, layers: int,

@@ -188,12 +188,16 @@ def profile_layer_sizes(
 ) -> LayerSizes:
     """Run ``layer`` once with every op kept and measure each op's sizes (RNG states are left untouched).
 
+    The input requires grad whatever ``hidden_states`` does, as every layer's input does in training: autograd
+    saves what the input's gradient needs only when it is wanted (an RMSNorm's input and ``rstd``, half a
+    residual stream per layer that a detached sample would leave out of every kept ``input_layernorm``).
+
     ``codecs`` maps op names to the codec keys (:func:`codec_key`) to measure for that op; e.g.
     ``_codecs_of(policy.layer_decisions(i))``.
     """
     codecs = {name: set(codecs.get(name, ())) if codecs else set() for name in OP_NAMES}
     ops = layer_ops(layer)
-    inputs = hidden_states.detach().requires_grad_(hidden_states.requires_grad)
+    inputs = hidden_states.detach().requires_grad_(True)
     external = {storage_ptr(t) for t in (attention_mask, *_flat(rotary_pos_emb)) if isinstance(t, torch.Tensor)}
     recorder = _SavedRecorder({storage_ptr(p) for p in layer.parameters()}, external)
     env = initial_env(inputs, attention_mask, rotary_pos_emb)

@@ -59,11 +59,12 @@ def supported() -> bool:
     return os.path.exists("/proc/self/status")
 
 
-def _low_fragmentation_malloc() -> None:
+def low_fragmentation_malloc() -> None:
     """Large blocks from their own mappings from now on, and the heap's free pages given back, so that the
     resident size rises with every large block touched from here (one served from a free heap chunk that was
     still resident would not show). For :func:`transient_bytes`, in a process that may have started without
-    ``MALLOC_MMAP_THRESHOLD_``."""
+    ``MALLOC_MMAP_THRESHOLD_``: called before the process allocates what it then measures (the profiler's
+    layer), since blocks the heap served earlier keep their pages in ways a late call does not undo."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, _LOW_FRAGMENTATION_THRESHOLD)
@@ -93,7 +94,7 @@ def transient_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
         return max(0, torch.cuda.max_memory_allocated(device) - before)
     if not supported():
         return None
-    _low_fragmentation_malloc()
+    low_fragmentation_malloc()
     before = resident_bytes()
     _reset_peak()
     fn()
