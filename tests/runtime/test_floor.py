@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _runtime_helpers import grads_equal, megatron_full_recompute, megatron_full_recompute_held
+from _runtime_helpers import _checkpoint_nodes, grads_equal, megatron_full_recompute, megatron_full_recompute_held
 
 import megatron_adacc
 from megatron_adacc.adacc.policy.ops import OP_NAMES, Action
@@ -129,3 +129,25 @@ def test_the_profile_predicts_what_each_layer_holds(built, policy):
         assert all(abs(m - predicted) <= 0.05 * predicted for m in measured), (measured, predicted)
     else:
         assert measured == [predicted] * 2
+
+
+def test_a_layer_recomputed_whole_runs_megatron_s_own_recompute(built):
+    """A layer keeping its input and recomputing everything else runs megatron's ``CheckpointFunction`` (one node
+    per layer in the graph), whatever the ops that compute nothing say (the SDPA layer's scores, softmax and
+    dropout); a layer keeping one more op runs the decomposition (no such node). Its bytes and training are
+    those of megatron's full recompute (the preset test above)."""
+    from megatron_adacc.adacc.policy.ops import OP_NAMES
+    from megatron_adacc.adacc.runtime.ops import layer_ops
+
+    model, _ = built
+    tokens, positions, mask, labels = tiny_batch()
+    idle = [op.name for op in layer_ops(model.decoder.layers[0]) if not op.inputs and not op.outputs]
+    whole = {name: "recompute" for name in OP_NAMES[1:]} | {name: "keep" for name in idle} | {"layer_input": "keep"}
+    for spec, nodes in ((whole, 2), (whole | {"pre_mlp_layernorm": "keep"}, 0)):
+        megatron_adacc.install(model.config, Policy.uniform(spec, 2))
+        try:
+            loss = model(tokens, positions, mask, labels=labels).float().mean()
+            assert len(_checkpoint_nodes(loss.grad_fn)) == nodes, spec
+            loss.backward()
+        finally:
+            megatron_adacc.uninstall()

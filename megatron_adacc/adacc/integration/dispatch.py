@@ -124,7 +124,12 @@ def layer_tiles(block: Any) -> list[int]:
 # ------------------------------------------------------------------------------------------------ dispatcher
 def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
     from megatron_adacc.adacc.policy.ops import Action
-    from megatron_adacc.adacc.runtime.checkpoint import checkpointed_layer_forward, stock_layer_forward
+    from megatron_adacc.adacc.runtime.checkpoint import (
+        checkpointed_layer_forward,
+        recomputed_layer_forward,
+        recomputes_whole_layer,
+        stock_layer_forward,
+    )
     from megatron_adacc.adacc.runtime.memory import _codecs_of, profile_layer_sizes
     from megatron_adacc.adacc.runtime.ops import repeats_kv
 
@@ -148,8 +153,12 @@ def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
             accounting.record_sizes(index, profile_layer_sizes(
                 layer, hidden_states, args.get("attention_mask"), args.get("rotary_pos_emb"),
                 codecs=_codecs_of(decisions)))
-        forward = (stock_layer_forward if all(d.action == Action.KEEP for d in decisions.values())
-                   and not repeats_kv(layer) else functools.partial(checkpointed_layer_forward, decisions=decisions))
+        if all(d.action == Action.KEEP for d in decisions.values()) and not repeats_kv(layer):
+            forward = stock_layer_forward
+        elif recomputes_whole_layer(layer, decisions):
+            forward = recomputed_layer_forward
+        else:
+            forward = functools.partial(checkpointed_layer_forward, decisions=decisions)
         hidden_states = forward(layer, hidden_states=hidden_states, attention_mask=args.get("attention_mask"),
                                 rotary_pos_emb=args.get("rotary_pos_emb"), layer_index=index)
         if index + offset in extract:

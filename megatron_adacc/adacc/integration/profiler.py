@@ -363,13 +363,15 @@ CALIBRATION_ROUNDS = 7
 
 
 def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[tuple[int, int], float],
-              fwd: list[float], repeats: int, sync: Sync) -> tuple[float, float, float, float]:
+              fwd: list[float], repeats: int, sync: Sync) -> tuple[float, float, float, float, float]:
     """Time one layer's forward + backward under the runtime with every op kept, compressed and recomputed,
-    and through megatron's own forward; return (codec scale, recompute scale, stock time, runtime overhead):
-    the first two are measured overheads over the sums the cost model would predict from the per-op
-    micro-benchmarks, the last the runtime's fixed cost (keep-all in the runtime against the stock layer).
+    and through megatron's own forward, plain and under its full recompute; return (codec scale, recompute
+    scale, stock time, runtime overhead, megatron's recompute): the first two are measured overheads over the sums
+    the cost model would predict from the per-op micro-benchmarks, the fourth the runtime's fixed cost (keep-all
+    in the runtime against the stock layer), the last what megatron's full recompute of the layer adds to its
+    stock step (:attr:`LayerProfile.layer_recompute_s`: a policy recomputing the whole layer runs it).
 
-    The four variants run in alternating rounds, and each overhead is the median over the rounds of the
+    The five variants run in alternating rounds, and each overhead is the median over the rounds of the
     difference between two runs of one round. Timed one variant after the other, a host that slows down for a
     few seconds (a shared machine does) charged it all to one variant: two profiles of cpu-large's layer made
     minutes apart on one host read codec times x20 (the clamp) with no runtime overhead, and x0.5 with 53 ms of
@@ -378,7 +380,7 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
 
     from megatron_adacc.adacc.policy.policy import Policy
     from megatron_adacc.adacc.runtime import checkpointed_layer_forward
-    from megatron_adacc.adacc.runtime.checkpoint import stock_layer_forward
+    from megatron_adacc.adacc.runtime.checkpoint import recomputed_layer_forward, stock_layer_forward
 
     layer, mask, rope = sample.layer, sample.mask, sample.rope
 
@@ -386,6 +388,8 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
         x = sample.hidden.detach().requires_grad_(True)
         if decisions is None:
             out = stock_layer_forward(layer, x, mask, rope)
+        elif decisions == "megatron":
+            out = recomputed_layer_forward(layer, x, mask, rope)
         else:
             out = checkpointed_layer_forward(layer, decisions, x, mask, rope)
         out.backward(torch.ones_like(out))
@@ -393,13 +397,14 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
 
     variants = {"stock": None, "keep": Policy.all_keep(1).layer_decisions(0),
                 "quant": Policy.quantize_all(1).layer_decisions(0),
-                "recompute": Policy.preset("all-recompute", 1).layer_decisions(0)}
+                "recompute": Policy.preset("all-recompute", 1).layer_decisions(0), "megatron": "megatron"}
     with _fork_rng():  # dropout draws here must not move the training's random streams
         rounds = alternating_rounds(lambda name: step(variants[name]), list(variants),
                                     max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
     stock = statistics.median(r["stock"] for r in rounds)
-    keep_over_stock, quant_over_keep, recompute_over_keep = (
-        paired_median(rounds, a, b) for a, b in (("keep", "stock"), ("quant", "keep"), ("recompute", "keep")))
+    keep_over_stock, quant_over_keep, recompute_over_keep, megatron_over_stock = (
+        paired_median(rounds, a, b) for a, b in (("keep", "stock"), ("quant", "keep"), ("recompute", "keep"),
+                                                 ("megatron", "stock")))
     quant_policy = variants["quant"]
     modeled_codec = sum(op.codecs[d.codec].compress_time_s + op.codecs[d.codec].decompress_time_s
                         for op, d in ((op, quant_policy[op.name]) for op in op_profiles)
@@ -412,7 +417,7 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
         return 1.0 if modeled <= 0 else min(hi, max(lo, measured / modeled))
 
     return (scale(quant_over_keep, modeled_codec), scale(recompute_over_keep, modeled_recompute), stock,
-            max(0.0, keep_over_stock))
+            max(0.0, keep_over_stock), max(0.0, megatron_over_stock))
 
 
 def tile_overhead(layer: torch.nn.Module, ln2: torch.Tensor, tiles: int, repeats: int, sync: Sync) -> float:
@@ -476,7 +481,7 @@ class _Measured:
     ops: list[OpProfile]
     forward_s: list[float]
     segments: dict[tuple[int, int], float]
-    calibration: tuple[float, float, float, float]  # what calibrate() returns
+    calibration: tuple[float, float, float, float, float]  # what calibrate() returns
     tile_overhead_s: float = 0.0
 
 
@@ -542,9 +547,10 @@ def _profile_layer(sample: LayerSample, args: Any, config: Any, device: torch.de
         log("profile: calibrating codec and recompute times inside the runtime")
         calibration = calibrate(sample, op_profiles, segments, fwd, repeats, sync)
         bar.update()
-        codec_scale, recompute_scale, keep_step, runtime_overhead = calibration
+        codec_scale, recompute_scale, keep_step, runtime_overhead, megatron_recompute = calibration
         log(f"profile: codec times x{codec_scale:.2f}, recompute times x{recompute_scale:.2f}, runtime "
-            f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step)")
+            f"{runtime_overhead * 1e3:.2f} ms per layer ({runtime_overhead / keep_step:.1%} of its stock step), "
+            f"megatron's recompute of it {megatron_recompute * 1e3:.2f} ms")
         tiles = int(getattr(args, "adacc_mlp_tiles", 8) or 1)
         per_tile = tile_overhead(sample.layer, env["ln2"], tiles, repeats, sync)
         bar.update()
@@ -566,7 +572,7 @@ def _layer_profile(args: Any, signature: dict[str, Any], device: torch.device, m
                    repeats: int) -> LayerProfile:
     """The stored profile: the measurements (its static memory and logits workspace are charged by
     :func:`~megatron_adacc.adacc.integration.model_states.charge_static`)."""
-    codec_scale, recompute_scale, keep_step, runtime_overhead = measured.calibration
+    codec_scale, recompute_scale, keep_step, runtime_overhead, megatron_recompute = measured.calibration
     fwd, segments = measured.forward_s, measured.segments
     overheads = [segments[(a, a)] - fwd[a] for a in range(1, len(fwd)) if (a, a) in segments]
     return LayerProfile(
@@ -576,6 +582,6 @@ def _layer_profile(args: Any, signature: dict[str, Any], device: torch.device, m
         segment_overhead_s=max(0.0, statistics.median(overheads)) if overheads else 0.0,
         step_time_s=keep_step, codec_time_scale=codec_scale, recompute_time_scale=recompute_scale,
         runtime_overhead_s=runtime_overhead, tile_overhead_s=measured.tile_overhead_s,
-        source="measured",
+        layer_recompute_s=megatron_recompute, source="measured",
         meta={"repeats": repeats, "torch": torch.__version__},
     )

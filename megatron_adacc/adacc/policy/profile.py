@@ -29,7 +29,8 @@ recompute times and the runtime's overhead from alternating runs (earlier ones, 
 could read a host's slow-down as any of them), and measures the tiled MLP re-run's cost per tile
 (``tile_overhead_s``); 10 sizes the ops with an input that wants its gradient, as in training (version 9's
 detached sample left an RMSNorm's saved input and ``rstd`` out of ``input_layernorm``: half a residual stream per
-kept layer short, which the process calibration then added to every policy)."""
+kept layer short, which the process calibration then added to every policy), and measures megatron's own full
+recompute of a layer (``layer_recompute_s``), which a policy recomputing the whole layer now runs."""
 
 
 @dataclass
@@ -168,6 +169,11 @@ class LayerProfile:
     """What re-running the MLP in token tiles (:mod:`megatron_adacc.adacc.runtime.tiled`) costs per tile beyond
     the first, over the untiled re-run (measured: the tiled block's forward + backward against one tile's). The
     arithmetic is the same; each tile's calls and autograd pass are not, and on a small layer they dominate."""
+    layer_recompute_s: float | None = None
+    """What megatron's own full recompute of one layer adds to its stock forward + backward: the time of a layer
+    whose policy keeps its input and recomputes everything else, which runs that way
+    (:func:`~megatron_adacc.adacc.runtime.checkpoint.recomputed_layer_forward`). None: not measured (the cost
+    model then prices such a layer as the runtime's decomposition of it)."""
     source: str = "measured"
     """``measured`` (the profiler), ``analytic`` (shape formulas) or ``synthetic`` (tests)."""
     created_at: float = field(default_factory=time.time)
@@ -208,6 +214,7 @@ class LayerProfile:
             "recompute_time_scale": self.recompute_time_scale,
             "runtime_overhead_s": self.runtime_overhead_s,
             "tile_overhead_s": self.tile_overhead_s,
+            "layer_recompute_s": self.layer_recompute_s,
             "source": self.source,
             "created_at": self.created_at,
             "meta": dict(self.meta),
@@ -230,6 +237,7 @@ class LayerProfile:
             recompute_time_scale=float(obj.get("recompute_time_scale", 1.0)),
             runtime_overhead_s=float(obj.get("runtime_overhead_s", 0.0)),
             tile_overhead_s=float(obj.get("tile_overhead_s", 0.0)),
+            layer_recompute_s=None if obj.get("layer_recompute_s") is None else float(obj["layer_recompute_s"]),
             created_at=float(obj.get("created_at", 0.0)), meta=dict(obj.get("meta", {})),
         )
 

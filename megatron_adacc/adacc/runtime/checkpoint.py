@@ -702,7 +702,60 @@ def stock_layer_forward(
     return output
 
 
+def recomputes_whole_layer(layer: torch.nn.Module, decisions: Mapping[str, Any]) -> bool:
+    """Whether ``decisions`` keep the layer input and recompute, untiled, every op of ``layer`` that computes
+    anything (the SDPA kernel's layer has no separate scores, softmax and dropout): what Megatron's full recompute
+    does to one layer, which :func:`recomputed_layer_forward` then runs."""
+    if decisions["layer_input"].action != Action.KEEP:
+        return False
+    return all(decisions[op.name].action == Action.RECOMPUTE and decisions[op.name].tiles == 1
+               for op in layer_ops(layer)[1:] if op.inputs or op.outputs)
+
+
+def recomputed_layer_forward(
+    layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    rotary_pos_emb: Any = None,
+    *,
+    layer_index: int | None = None,
+) -> torch.Tensor:
+    """Run ``layer`` under megatron's own full recompute (``tensor_parallel.checkpoint``, as
+    ``TransformerBlock._checkpointed_forward`` calls it for one layer), for a layer whose policy keeps its input
+    and recomputes everything else (:func:`recomputes_whole_layer`): the same bytes as the runtime's
+    decomposition (the input and one copy of the RNG states), without its per-op bookkeeping, whose cost is most
+    of a recomputed layer's on a small model. Training is megatron's full recompute's bit for bit."""
+    from megatron.core import tensor_parallel
+
+    if stages.active() is not None and torch.is_grad_enabled():
+        # a backward trace reports op by op: the decomposition holds the same bytes and re-runs the same ops
+        return checkpointed_layer_forward(layer, _RECOMPUTE_ALL, hidden_states, attention_mask, rotary_pos_emb,
+                                          layer_index=layer_index)
+
+    def run(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
+        # These hooks take every tensor the layer saves, in its no-grad forward (which still packs what the
+        # scripted bias-dropout-add would save, and nothing keeps) and in its re-run in backward (what backward
+        # holds for a moment), so that no outer meter counts them, as the decomposition's own hooks take its ops'.
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            return layer(hidden_states=hidden_states, attention_mask=attention_mask, context=context,
+                         context_mask=context_mask, rotary_pos_emb=rotary_pos_emb)
+
+    rng = _capture_rng() if accounting.is_enabled() and torch.is_grad_enabled() else None
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):  # the checkpoint's own inputs: below
+        out = tensor_parallel.checkpoint(run, layer.config.distribute_saved_activations, hidden_states,
+                                         attention_mask, None, None, rotary_pos_emb)
+    if rng is not None:
+        # What its context holds: its inputs, of which the layer's own (read after the call: split across
+        # tensor-parallel ranks when megatron distributes saved activations) is this layer's, and the RNG states
+        # it captured.
+        accounting.record(LayerMemory(layer=-1 if layer_index is None else layer_index,
+                                      input_bytes=hidden_states.untyped_storage().nbytes(),
+                                      rng_bytes=rng_state_nbytes(rng)))
+    return out[0] if isinstance(out, tuple) else out
+
+
 _KEEP_ALL = {name: Decision.keep() for name in OP_NAMES}
+_RECOMPUTE_ALL = {name: Decision.keep() if name == "layer_input" else Decision.recompute() for name in OP_NAMES}
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
