@@ -87,7 +87,10 @@ def test_the_cheapest_solved_policy_holds_less_than_full_recompute(built):
     solved, _ = solve_policy(profile, problem.min_feasible_budget(stash=True), options, num_layers=24)
     layer = solved.layers[0]
     assert (layer[0].action, layer[0].codec, layer[1].action) == (Action.COMPRESS, "int4_outlier", Action.RECOMPUTE)
-    assert layer == problem.decisions(pareto_front(problem, chain_aware=True)[0].picks)  # the least stored
+    # the least any layer policy stores (ops that store nothing either way, llama's linear_fc2, may say either:
+    # which of those equal policies comes first depends on measured times)
+    picks = [[c.decision for c in cs].index(d) for cs, d in zip(problem.choices, layer)]
+    assert problem.layer_memory(picks, stash=True) == pareto_front(problem, chain_aware=True)[0].memory_bytes
     policy = Policy(layers=[layer, layer], name="cheapest")
     batch = tiny_batch()
     held = megatron_full_recompute_held(model, batch)
