@@ -14,6 +14,7 @@ The profiler is handed the layer and its inputs (a :class:`LayerSample`); it bui
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -384,28 +385,26 @@ def calibrate(sample: LayerSample, op_profiles: list[OpProfile], segments: dict[
 
     layer, mask, rope = sample.layer, sample.mask, sample.rope
 
-    def step(decisions) -> None:
-        x = sample.hidden.detach().requires_grad_(True)
-        if decisions is None:
-            out = stock_layer_forward(layer, x, mask, rope)
-        elif decisions == "megatron":
-            out = recomputed_layer_forward(layer, x, mask, rope)
-        else:
-            out = checkpointed_layer_forward(layer, decisions, x, mask, rope)
+    def decomposed(decisions) -> Callable[..., torch.Tensor]:
+        return lambda *inputs: checkpointed_layer_forward(layer, decisions, *inputs)
+
+    quant_policy = Policy.quantize_all(1).layer_decisions(0)
+    variants = {"stock": functools.partial(stock_layer_forward, layer),
+                "keep": decomposed(Policy.all_keep(1).layer_decisions(0)), "quant": decomposed(quant_policy),
+                "recompute": decomposed(Policy.preset("all-recompute", 1).layer_decisions(0)),
+                "megatron": functools.partial(recomputed_layer_forward, layer)}
+
+    def step(name: str) -> None:
+        out = variants[name](sample.hidden.detach().requires_grad_(True), mask, rope)
         out.backward(torch.ones_like(out))
         layer.zero_grad(set_to_none=True)
 
-    variants = {"stock": None, "keep": Policy.all_keep(1).layer_decisions(0),
-                "quant": Policy.quantize_all(1).layer_decisions(0),
-                "recompute": Policy.preset("all-recompute", 1).layer_decisions(0), "megatron": "megatron"}
     with _fork_rng():  # dropout draws here must not move the training's random streams
-        rounds = alternating_rounds(lambda name: step(variants[name]), list(variants),
-                                    max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
+        rounds = alternating_rounds(step, list(variants), max(CALIBRATION_ROUNDS, 2 * repeats + 1), sync)
     stock = statistics.median(r["stock"] for r in rounds)
     keep_over_stock, quant_over_keep, recompute_over_keep, megatron_over_stock = (
         paired_median(rounds, a, b) for a, b in (("keep", "stock"), ("quant", "keep"), ("recompute", "keep"),
                                                  ("megatron", "stock")))
-    quant_policy = variants["quant"]
     modeled_codec = sum(op.codecs[d.codec].compress_time_s + op.codecs[d.codec].decompress_time_s
                         for op, d in ((op, quant_policy[op.name]) for op in op_profiles)
                         if d.action == Action.COMPRESS and d.codec in op.codecs)

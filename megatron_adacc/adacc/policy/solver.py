@@ -113,7 +113,7 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
     if not 0.0 <= options.headroom < 1.0:
         raise ValueError(f"memory headroom must be a fraction in [0, 1), got {options.headroom}")
     usable = options.usable_bytes(budget_bytes) if budget_bytes is not None else None
-    solved: list[tuple[Problem, SolveResult]] = []  # the untiled solution first, when there is one
+    solved: list[tuple[Problem, SolveResult, int]] = []  # with the tiles its MLP re-runs in
     failed: list[InfeasibleBudgetError] = []
     # lossless (--adacc-codec none) promises stock Megatron's gradients bit for bit, which tiles do not keep
     tiling = max(int(options.mlp_tiles), 1) if options.codec_family != "none" else 1
@@ -128,7 +128,7 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
             except InfeasibleBudgetError as e:
                 failed.append(e)
                 continue
-            solved.append((problem, result))
+            solved.append((problem, result, tiles))
             # every layer of a tiled policy re-runs its MLP: no faster than an untiled one that costs no more
             if tiles == 1 and result.predicted_time_s <= problem.num_layers * tiled_block_time(problem, tiling):
                 break
@@ -140,8 +140,7 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
                                     f" (with {options.headroom_text()}, --adacc-memory-headroom)") from None
     # tiles only where they buy time or fit where nothing untiled does: untiled, gradients stay bit-exact; of
     # equally fast ones, the one holding less (a compressing variant's answer that compresses nothing, say)
-    problem, result = min(solved, key=lambda pair: (pair[1].predicted_time_s, _tiles(pair[1]) > 1,
-                                                    pair[1].predicted_memory_bytes))
+    problem, result, _ = min(solved, key=lambda s: (s[1].predicted_time_s, s[2] > 1, s[1].predicted_memory_bytes))
     sig = dict(signature if signature is not None else profile.signature)
     if num_layers is not None:
         sig["num_layers"] = int(num_layers)
@@ -159,11 +158,6 @@ def solve_policy(profile: LayerProfile, budget_bytes: float | None, options: Sol
         for p in result.layer_picks]
     policy.op_costs = op_costs(profile, policy)
     return policy, result
-
-
-def _tiles(result: SolveResult) -> int:
-    """How many tiles the MLP of ``result``'s layers re-runs in (1: untiled)."""
-    return max(d.tiles for layer in result.decisions for d in layer)
 
 
 def solve_stage(profile: LayerProfile, budget_bytes: float | None, options: SolveOptions, *, layers: int,

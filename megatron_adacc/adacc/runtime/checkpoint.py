@@ -708,8 +708,8 @@ def recomputes_whole_layer(layer: torch.nn.Module, decisions: Mapping[str, Any])
     does to one layer, which :func:`recomputed_layer_forward` then runs."""
     if decisions["layer_input"].action != Action.KEEP:
         return False
-    return all(decisions[op.name].action == Action.RECOMPUTE and decisions[op.name].tiles == 1
-               for op in layer_ops(layer)[1:] if op.inputs or op.outputs)
+    return all(decisions[name].action == Action.RECOMPUTE and decisions[name].tiles == 1
+               for name, inputs, outputs, _ in dataflow(layer).table[1:] if inputs or outputs)
 
 
 def recomputed_layer_forward(
@@ -740,18 +740,19 @@ def recomputed_layer_forward(
             return layer(hidden_states=hidden_states, attention_mask=attention_mask, context=context,
                          context_mask=context_mask, rotary_pos_emb=rotary_pos_emb)
 
-    rng = _capture_rng() if accounting.is_enabled() and torch.is_grad_enabled() else None
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):  # the checkpoint's own inputs: below
         out = tensor_parallel.checkpoint(run, layer.config.distribute_saved_activations, hidden_states,
                                          attention_mask, None, None, rotary_pos_emb)
-    if rng is not None:
-        # What its context holds: its inputs, of which the layer's own (read after the call: split across
-        # tensor-parallel ranks when megatron distributes saved activations) is this layer's, and the RNG states
-        # it captured.
+    output = out[0] if isinstance(out, tuple) else out
+    node = output.grad_fn
+    if accounting.is_enabled() and node is not None:
+        # What its context (the graph node) holds: its inputs, of which the layer's own (read after the call:
+        # split across tensor-parallel ranks when megatron distributes saved activations) is this layer's, and
+        # the RNG states it captured.
         accounting.record(LayerMemory(layer=-1 if layer_index is None else layer_index,
                                       input_bytes=hidden_states.untyped_storage().nbytes(),
-                                      rng_bytes=rng_state_nbytes(rng)))
-    return out[0] if isinstance(out, tuple) else out
+                                      rng_bytes=rng_state_nbytes(node.rng_states)))
+    return output
 
 
 _KEEP_ALL = {name: Decision.keep() for name in OP_NAMES}
