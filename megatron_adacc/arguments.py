@@ -84,6 +84,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--weight-decay", type=float, help="Decoupled weight decay (AdamW).")
     g.add_argument("--clip-grad", type=float, help="Global gradient-norm clipping (0 turns it off).")
     g.add_argument("--seed", type=int, help="Seed for weights, data order and dropout.")
+    g.add_argument("--deterministic-mode", action="store_true", default=None,
+                   help="Bit-exact reproducible runs (Megatron-LM's flag): megatron-core's deterministic code paths, "
+                        "and Adacc's policy evolution switching on outlier statistics alone, never on codec times "
+                        "re-measured during training, so that a resumed run switches where the straight one did.")
 
     g = parser.add_argument_group("recompute", "Megatron's own activation recomputation")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,

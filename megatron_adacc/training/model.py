@@ -40,6 +40,7 @@ def transformer_config(args: SimpleNamespace, device: torch.device):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        deterministic_mode=bool(args.deterministic_mode),
         # The fused kernels need CUDA extensions; their unfused fallbacks compute the same thing.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,

@@ -316,3 +316,30 @@ def run_from(evo, source, first, last):
         source.iteration = it
         evo.on_step_begin(it)
         evo.on_step_end(it, loss=1.0)
+
+
+def test_deterministic_mode_keeps_the_profiled_codec_times_and_still_follows_outliers(tmp_path) -> None:
+    """Under ``--deterministic-mode`` a lasting change of codec time is never adopted (a resumed run measures
+    other times than the straight one, and a switch they decided would make the two train differently), while
+    falling outliers still switch where they do without it."""
+    from types import SimpleNamespace
+
+    from megatron_adacc.adacc.integration.evolution import build_extension
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+
+    evo, source, _, profiled = _timed(lambda it: 4.0 if it >= 2 else 1.0)
+    evo.retime = False
+    run(evo, source, 16)
+    assert _times(profiled) and _times(evo.profile) == _times(profiled)
+
+    evo, source, _, _ = setup(lambda it: HIGH if it < 6 else 0.01)
+    evo.retime = False
+    run(evo, source, 40)
+    assert [r.iteration for r in evo.switches] == [8]
+
+    db = ProfileDB(tmp_path / "p.sqlite")
+    policy, _ = solve_policy(analytic_profile(SIG), 2 * 2**30)
+    policy.profile = {"db": str(db.path), "id": db.put(analytic_profile(SIG))}
+    assert build_extension(SimpleNamespace(adacc_no_evolution=False), None, policy).retime
+    assert not build_extension(SimpleNamespace(adacc_no_evolution=False, deterministic_mode=True), None,
+                               policy).retime

@@ -17,7 +17,8 @@ the extension
    at the new count to its size at the profiled one (so the profile keeps the runtime-attributed units it was
    measured in), its raw codec times replaced when the median of the latest times taken moved beyond timing
    noise (:data:`TIME_CHANGE`, :class:`CodecTimings`; the profile's ``codec_time_scale`` still calibrates
-   them), and the count stored as the new reference;
+   them; never under ``--deterministic-mode``, :attr:`PolicyEvolution.retime`), and the count stored as the new
+   reference;
 3. re-solves the MILP, and
 4. switches policy before the next iteration when the new one is predicted faster by at least ``min_gain`` and
    fits the budget, or when the current policy no longer fits (outliers grew).
@@ -227,6 +228,10 @@ class PolicyEvolution(TrainingExtension):
     solve and the comparison count each."""
     isolate_solves: bool = False
     """Re-solve in a forked child (``auto.isolated_solves``: on the CPU, where the budget is peak RSS)."""
+    retime: bool = True
+    """Adopt the codec times re-measured on tracking iterations (step 2 above). Off under Megatron's
+    ``--deterministic-mode``: timings differ from run to run, and a switch they decide makes a resumed run, or a
+    second run from the same profile, train differently from the first; outlier statistics do not."""
     log: Callable[[str], None] = _default_log
     name: str = "adacc_evolution"
     state_optional = True  # evolution starts from the run's own profile and policy
@@ -309,7 +314,8 @@ class PolicyEvolution(TrainingExtension):
             profiled = self.profile.op(op)
             old = profiled.codecs.get(OUTLIER_CODEC)
             if old is not None:  # the profiler found the codec does not apply to this op: nothing to update
-                sample = self.timings.add(op, old, sample)
+                sample = (self.timings.add(op, old, sample) if self.retime
+                          else replace(sample, compress_time_s=None, decompress_time_s=None))
                 updates[op] = {OUTLIER_CODEC: resampled(old, sample, saved=profiled.saved_bytes > 0)}
         return self.profile.with_codec_update(updates) if updates else self.profile
 
@@ -404,4 +410,5 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
     return PolicyEvolution(profile=profile, policy=policy, budget_bytes=float(policy.budget_bytes),
                            options=_solved_with(args, policy, profile), apply=apply,
                            cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024), in_flight=held,
-                           isolate_solves=isolated_solves(run_device(args)))
+                           isolate_solves=isolated_solves(run_device(args)),
+                           retime=not getattr(args, "deterministic_mode", False))
