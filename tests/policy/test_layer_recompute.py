@@ -65,3 +65,28 @@ def test_the_solver_takes_megatron_s_recompute_where_it_is_the_faster() -> None:
     fast, result = solve_policy(profile, budget, SolveOptions(headroom=0.0, mlp_tiles=1))
     assert all(layer in (whole, keep) for layer in fast.layers) and whole in fast.layers
     assert result.predicted_time_s == pytest.approx(fast.layers.count(whole) * 1e-9)
+
+
+def test_a_compressed_input_recomputed_whole_costs_megatron_s_recompute_and_its_codec() -> None:
+    """The floor (the input compressed, the rest recomputed) runs megatron's recompute too: priced at its measured
+    time plus the input codec's, it joins the front, and at a budget where a kept input no longer fits, brute
+    force and the front both take it."""
+    def allow(op: str, d: Decision) -> bool:
+        return d.action != Action.COMPRESS or op == "layer_input"
+
+    plain = build_problem(analytic_profile(SIG), None, allow=allow)
+    wholes = plain.whole_recompute_picks()
+    assert sorted(plain.choices[0][w[0]].decision.action.value for w in wholes) == ["compress", "keep"]
+    kept, squeezed = sorted(wholes, key=lambda w: plain.choices[0][w[0]].decision.action != Action.KEEP)
+    problem = replace(plain, layer_recompute_s=1e-6)
+    codec = plain.choices[0][squeezed[0]].time_s
+    assert codec > 0 and problem.recomputes_whole_layer(squeezed)
+    assert problem.layer_time(squeezed, chain_aware=True) == pytest.approx(1e-6 + codec)
+    budget = problem.total_memory([squeezed] * problem.num_layers, stash=True)
+    assert problem.total_memory([kept] * problem.num_layers, stash=True) > budget
+    problem = replace(problem, budget_bytes=budget)
+    fits = [p for p in pareto_front(problem, chain_aware=True)
+            if problem.total_memory([list(p.picks)] * problem.num_layers, stash=True) <= budget]
+    want = brute_force.solve(problem, chain_aware=True)
+    assert want.layer_picks[0] == squeezed
+    assert problem.num_layers * min(p.time_s for p in fits) == pytest.approx(want.predicted_time_s, rel=1e-9)

@@ -154,3 +154,28 @@ def test_a_layer_recomputed_whole_runs_megatron_s_own_recompute(built):
             loss.backward()
         finally:
             megatron_adacc.uninstall()
+
+
+def test_a_layer_recomputed_whole_from_its_compressed_input_runs_megatron_s_recompute(built, monkeypatch):
+    """The floor (the input compressed, everything else recomputed) runs megatron's ``CheckpointFunction`` too,
+    its saved input packed by the input's codec: the bytes the decomposition holds for that policy, and the same
+    training bit for bit, at megatron's speed instead of the decomposition's."""
+    from megatron_adacc.adacc.policy.ops import OP_NAMES
+    from megatron_adacc.adacc.runtime import checkpoint
+
+    model, _ = built
+    batch = tiny_batch()
+    floor = Policy.uniform({name: "recompute" for name in OP_NAMES[1:]} | {"layer_input": "compress"}, 2)
+    tokens, positions, mask, labels = batch
+    megatron_adacc.install(model.config, floor)
+    try:
+        loss = model(tokens, positions, mask, labels=labels).float().mean()
+        assert len(_checkpoint_nodes(loss.grad_fn)) == 2
+    finally:
+        megatron_adacc.uninstall()
+    whole_bytes, (whole_loss, whole_grads), predicted = _measured(model, batch, floor)
+    monkeypatch.setattr(checkpoint, "recomputes_whole_layer", lambda layer, decisions: False)
+    parts_bytes, (parts_loss, parts_grads), _ = _measured(model, batch, floor)
+    assert whole_bytes == parts_bytes == predicted
+    assert all(b < h for b, h in zip(whole_bytes, megatron_full_recompute_held(model, batch)))
+    assert torch.equal(whole_loss, parts_loss) and grads_equal(whole_grads, parts_grads) == []

@@ -156,7 +156,7 @@ def _run_policy(block: Any, policy: Any, args: dict[str, Any]) -> Any:
         if all(d.action == Action.KEEP for d in decisions.values()) and not repeats_kv(layer):
             forward = stock_layer_forward
         elif recomputes_whole_layer(layer, decisions):
-            forward = recomputed_layer_forward
+            forward = functools.partial(recomputed_layer_forward, decisions=decisions)
         else:
             forward = functools.partial(checkpointed_layer_forward, decisions=decisions)
         hidden_states = forward(layer, hidden_states=hidden_states, attention_mask=args.get("attention_mask"),

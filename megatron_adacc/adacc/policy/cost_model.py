@@ -131,8 +131,8 @@ class Problem:
     """Time a tiled MLP re-run pays per tile beyond the first (:attr:`LayerProfile.tile_overhead_s`)."""
     layer_recompute_s: float | None = None
     """The time of a layer that keeps its input and recomputes everything else (:meth:`recomputes_whole_layer`),
-    which runs megatron's own full recompute of it (:attr:`LayerProfile.layer_recompute_s`); None: priced as the
-    runtime's decomposition."""
+    which runs megatron's own full recompute of it (:attr:`LayerProfile.layer_recompute_s`; a compressed input
+    adds its codec's time); None: priced as the runtime's decomposition."""
     op_names: list[str] | None = None
     """Defaults to the transformer layer's ops when there are 13 choice lists, else ``op0, op1, ...``."""
     consumers: list[StageBytes] | None = None
@@ -427,27 +427,29 @@ class Problem:
         return all(c.decision.action == _KEEP for c in self._chosen(picks))
 
     def recomputes_whole_layer(self, picks: Sequence[int]) -> bool:
-        """Whether a layer with ``picks`` keeps its input and recomputes, untiled, every op that holds anything
-        (an op with no output, the SDPA layer's scores, softmax and dropout, may say anything): the layer the
-        runtime hands to megatron's own full recompute."""
+        """Whether a layer with ``picks`` stores its input (kept or compressed) and recomputes, untiled, every op
+        that holds anything (an op with no output, the SDPA layer's scores, softmax and dropout, may say anything):
+        the layer the runtime hands to megatron's own full recompute."""
         chosen = self._chosen(picks)
-        if chosen[0].decision.action != _KEEP:
+        if chosen[0].is_recompute:
             return False
         return all((c.is_recompute and c.decision.tiles == 1)
                    or (self.output_bytes is not None and self.output_bytes[i] == 0 and not c.memory_bytes)
                    for i, c in enumerate(chosen) if i > 0)
 
-    def whole_recompute_picks(self) -> list[int] | None:
-        """The picks that keep the input and recompute every other op, untiled; None where an op cannot."""
-        keep = next((k for k, c in enumerate(self.choices[0]) if c.decision.action == _KEEP), None)
+    def whole_recompute_picks(self) -> list[list[int]]:
+        """Per way of storing the input (kept, each codec), the picks that recompute every other op, untiled;
+        none where an op cannot."""
         rest = [next((k for k, c in enumerate(cs) if c.is_recompute and c.decision.tiles == 1), None)
                 for cs in self.choices[1:]]
-        return None if keep is None or None in rest else [keep, *rest]
+        if None in rest:
+            return []
+        return [[k, *rest] for k, c in enumerate(self.choices[0]) if not c.is_recompute]
 
     def layer_time(self, picks: Sequence[int], *, chain_aware: bool) -> float:
         """The per-layer overhead time of ``picks`` (one choice index per op) under either cost model."""
         if self.layer_recompute_s is not None and self.recomputes_whole_layer(picks):
-            return self.layer_recompute_s
+            return self.layer_recompute_s + self.choices[0][picks[0]].time_s  # a compressed input: its codec
         fixed = 0.0 if self.is_stock(picks) else self.runtime_overhead_s
         if not chain_aware:
             return fixed + sum(self.choices[i][k].time_s for i, k in enumerate(picks))

@@ -178,13 +178,14 @@ def pareto_front(problem: Problem, *, chain_aware: bool) -> list[ParetoPoint]:
         # among them holds, and keep-all (the most memory) cannot dominate any of them
         points.time = points.time + np.array([0.0 if problem.is_stock(p) else problem.runtime_overhead_s
                                               for p in points.picks])
-    whole = problem.whole_recompute_picks() if problem.layer_recompute_s is not None else None
-    if whole is not None:
+    wholes = problem.whole_recompute_picks() if problem.layer_recompute_s is not None else []
+    if wholes:
         # a layer recomputed whole runs megatron's own recompute, at its measured time, which the DP (pricing the
         # decomposition) may have pruned for a policy faster than the decomposition: it joins the front here
         points.time = np.array([problem.layer_time(p, chain_aware=chain_aware) if problem.recomputes_whole_layer(p)
                                 else t for p, t in zip(points.picks, points.time.tolist())])
-        if tuple(whole) not in set(points.picks):
+        present = set(points.picks)
+        for whole in (w for w in wholes if tuple(w) not in present):
             peak = max(problem.stage_bytes(whole, stash=chain_aware) + problem.forward_stages(whole, stash=chain_aware))
             points = _Prefixes((), np.append(points.memory, problem.layer_memory(whole, stash=chain_aware)),
                                np.append(points.time, problem.layer_time(whole, chain_aware=chain_aware)),

@@ -65,7 +65,14 @@ from megatron_adacc.adacc.runtime.ops import (
 )
 from megatron_adacc.codecs import get_codec
 from megatron_adacc.codecs.base import compress_with, mark_nonfinite
-from megatron_adacc.core.saved import SavedHandle, SavedTensorStore, storage_ptr, tensor_key, unique_storage_bytes
+from megatron_adacc.core.saved import (
+    NONFINITE,
+    SavedHandle,
+    SavedTensorStore,
+    storage_ptr,
+    tensor_key,
+    unique_storage_bytes,
+)
 
 # ------------------------------------------------------------------------------------------------ codecs
 _CODEC_CACHE: dict[tuple, Any] = {}
@@ -703,10 +710,13 @@ def stock_layer_forward(
 
 
 def recomputes_whole_layer(layer: torch.nn.Module, decisions: Mapping[str, Any]) -> bool:
-    """Whether ``decisions`` keep the layer input and recompute, untiled, every op of ``layer`` that computes
-    anything (the SDPA kernel's layer has no separate scores, softmax and dropout): what Megatron's full recompute
-    does to one layer, which :func:`recomputed_layer_forward` then runs."""
-    if decisions["layer_input"].action != Action.KEEP:
+    """Whether ``decisions`` store the layer input (kept, or compressed) and recompute, untiled, every op of
+    ``layer`` that computes anything (the SDPA kernel's layer has no separate scores, softmax and dropout): what
+    Megatron's full recompute does to one layer, which :func:`recomputed_layer_forward` then runs. Not with a
+    compressed input that megatron splits across tensor-parallel ranks (``distribute_saved_activations``): the
+    codecs' channels would be a flat chunk's."""
+    stored = decisions["layer_input"].action
+    if stored != Action.KEEP and (stored != Action.COMPRESS or layer.config.distribute_saved_activations):
         return False
     return all(decisions[name].action == Action.RECOMPUTE and decisions[name].tiles == 1
                for name, inputs, outputs, _ in dataflow(layer).table[1:] if inputs or outputs)
@@ -719,17 +729,22 @@ def recomputed_layer_forward(
     rotary_pos_emb: Any = None,
     *,
     layer_index: int | None = None,
+    decisions: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Run ``layer`` under megatron's own full recompute (``tensor_parallel.checkpoint``, as
-    ``TransformerBlock._checkpointed_forward`` calls it for one layer), for a layer whose policy keeps its input
-    and recomputes everything else (:func:`recomputes_whole_layer`): the same bytes as the runtime's
-    decomposition (the input and one copy of the RNG states), without its per-op bookkeeping, whose cost is most
-    of a recomputed layer's on a small model. Training is megatron's full recompute's bit for bit."""
+    ``TransformerBlock._checkpointed_forward`` calls it for one layer), for a layer whose policy stores its input
+    and recomputes everything else (:func:`recomputes_whole_layer`; ``decisions`` None: the input kept): the same
+    bytes as the runtime's decomposition (the input and one copy of the RNG states), without its per-op
+    bookkeeping, whose cost is most of a recomputed layer's on a small model. With the input kept, training is
+    megatron's full recompute's bit for bit; compressed, the checkpoint's saved input is packed by the input's
+    codec (at its learned outlier capacity, NaN/Inf flagged) and decompressed for the re-run, as the
+    decomposition stores it: the floor below full recompute at full recompute's speed."""
     from megatron.core import tensor_parallel
 
+    decisions = decisions or _RECOMPUTE_ALL
     if stages.active() is not None and torch.is_grad_enabled():
         # a backward trace reports op by op: the decomposition holds the same bytes and re-runs the same ops
-        return checkpointed_layer_forward(layer, _RECOMPUTE_ALL, hidden_states, attention_mask, rotary_pos_emb,
+        return checkpointed_layer_forward(layer, decisions, hidden_states, attention_mask, rotary_pos_emb,
                                           layer_index=layer_index)
 
     def run(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):
@@ -740,7 +755,8 @@ def recomputed_layer_forward(
             return layer(hidden_states=hidden_states, attention_mask=attention_mask, context=context,
                          context_mask=context_mask, rotary_pos_emb=rotary_pos_emb)
 
-    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):  # the checkpoint's own inputs: below
+    stored = _StoredInput(layer, hidden_states, decisions["layer_input"])
+    with torch.autograd.graph.saved_tensors_hooks(stored.pack, _unpack):  # the checkpoint's own inputs
         out = tensor_parallel.checkpoint(run, layer.config.distribute_saved_activations, hidden_states,
                                          attention_mask, None, None, rotary_pos_emb)
     output = out[0] if isinstance(out, tuple) else out
@@ -749,10 +765,40 @@ def recomputed_layer_forward(
         # What its context (the graph node) holds: its inputs, of which the layer's own (read after the call:
         # split across tensor-parallel ranks when megatron distributes saved activations) is this layer's, and
         # the RNG states it captured.
-        accounting.record(LayerMemory(layer=-1 if layer_index is None else layer_index,
-                                      input_bytes=hidden_states.untyped_storage().nbytes(),
-                                      rng_bytes=rng_state_nbytes(node.rng_states)))
+        memory = LayerMemory(layer=-1 if layer_index is None else layer_index,
+                             rng_bytes=rng_state_nbytes(node.rng_states))
+        if stored.packed_bytes is None:
+            memory.input_bytes = hidden_states.untyped_storage().nbytes()
+        else:  # filed as the decomposition files a compressed input
+            memory.per_op["layer_input"] = stored.packed_bytes
+        accounting.record(memory)
     return output
+
+
+class _StoredInput:
+    """The pack hook of a checkpoint's saved inputs: the layer's own compressed under a compress ``decision``
+    (:func:`compress_float`, at the place the decomposition compresses it), every other one as it is."""
+
+    def __init__(self, layer: torch.nn.Module, hidden_states: torch.Tensor, decision: Any):
+        self.layer, self.input, self.decision = layer, hidden_states, decision
+        self.packed_bytes: int | None = None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        # megatron's checkpoint saves its arguments themselves: the input is this very tensor object
+        if t is not self.input or self.decision.action != Action.COMPRESS:
+            return t
+        number = getattr(self.layer, "layer_number", "?")
+        place = (number, "layer_input", True, tuple(t.shape))
+        result = compress_float(t, "layer_input", True, self.decision, place,
+                                small_tensor_numel(self.layer, t))
+        if result is None:
+            return t
+        codec, packed = result
+        if packed.nonfinite is not None:
+            dtype, shape = t.dtype, tuple(t.shape)
+            NONFINITE.note(packed.nonfinite, lambda: _Frame.describe_site(number, "layer_input", dtype, shape))
+        self.packed_bytes = packed.nbytes
+        return _Compressed(codec, packed, "layer_input")
 
 
 _KEEP_ALL = {name: Decision.keep() for name in OP_NAMES}
