@@ -134,3 +134,23 @@ def test_training_names_layer_and_op_skips_the_step_and_saves_no_nan(nan_embeddi
     state = torch.load(checkpoint.paths(tmp_path, 0)[0], weights_only=True)
     assert all(bool(torch.isfinite(t).all()) for t in [*state["model"].values(), *model.state_dict().values()]
                if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def test_the_floor_through_megatron_s_checkpoint_names_the_layer_input(nan_embedding_at_step_2, caplog, tmp_path):
+    """A layer compressing its input and recomputing the rest runs megatron's checkpoint, whose saved input the
+    codec packs: a NaN there is told under the layer and op ``layer_input``, as the decomposition tells it."""
+    from megatron_adacc.adacc.integration import uninstall
+    from megatron_adacc.adacc.policy.io import save_policy
+    from megatron_adacc.adacc.policy.ops import OP_NAMES
+    from megatron_adacc.adacc.policy.policy import Policy
+
+    floor = Policy.uniform({name: "recompute" for name in OP_NAMES[1:]} | {"layer_input": "compress"}, 2)
+    path = save_policy(floor, tmp_path / "floor.json")
+    try:
+        summary = loop.train(parse_train_args(SMALL + ["--adacc-policy", str(path)]))
+    finally:
+        uninstall()
+    lines = _told(caplog.text)
+    assert len(lines) == 1 and "iteration 2: NaN/Inf in a saved activation (layer 1, op layer_input, " in lines[0]
+    assert summary["nonfinite_activations"] == 4  # one input per layer and micro-batch, nothing else stored
+    assert "iteration 2: step skipped" in caplog.text
