@@ -117,3 +117,15 @@ def test_the_summary_of_an_auto_run_reads_as_lines_not_dicts(capsys):
     assert "    over budget           no" in lines and "    max rel error         0.0123" in lines
     assert "    switches              none" in lines[lines.index("  adacc_evolution"):]
     assert max(len(line) for line in lines) <= 100
+
+
+def test_deterministic_mode_reaches_megatron_core_s_config():
+    """Megatron-LM's flag, for bit-exact runs: megatron-core's deterministic code paths (its config field), and
+    Adacc's evolution switching on outlier statistics alone (tests/policy/test_evolution.py)."""
+    import torch
+
+    from megatron_adacc.training.model import transformer_config
+
+    assert not transformer_config(parse_train_args(["--config", "tiny"]), torch.device("cpu")).deterministic_mode
+    args = parse_train_args(["--config", "tiny", "--deterministic-mode"])
+    assert args.deterministic_mode and transformer_config(args, torch.device("cpu")).deterministic_mode
