@@ -65,8 +65,8 @@ from megatron_adacc.adacc.runtime.ops import (
 )
 from megatron_adacc.codecs import get_codec
 from megatron_adacc.codecs.base import compress_with, mark_nonfinite
+from megatron_adacc.core import saved as saved_module
 from megatron_adacc.core.saved import (
-    NONFINITE,
     SavedHandle,
     SavedTensorStore,
     storage_ptr,
@@ -492,12 +492,7 @@ class _Frame(SavedTensorStore):
         return _Compressed(MASK_CODEC, MASK_CODEC.compress(t), op)
 
     def compress(self, t: torch.Tensor, op: str, is_output: bool) -> _Compressed | None:
-        place = (self._layer_number, op, is_output, tuple(t.shape))
-        result = compress_float(t, op, is_output, self.decisions[op], place, self.small_numel)
-        if result is None:
-            return None
-        self.note_nonfinite(result[1].nonfinite, t, op)
-        return _Compressed(result[0], result[1], op)
+        return compressed_at(self._layer_number, t, op, is_output, self.decisions[op], self.small_numel)
 
     def _compress(self, t: torch.Tensor, op: str, is_output: bool, from_pack: bool) -> Any:
         # Deduplicate only tensors whose storage the layer's environment keeps alive for the whole forward
@@ -787,18 +782,27 @@ class _StoredInput:
         # megatron's checkpoint saves its arguments themselves: the input is this very tensor object
         if t is not self.input or self.decision.action != Action.COMPRESS:
             return t
-        number = getattr(self.layer, "layer_number", "?")
-        place = (number, "layer_input", True, tuple(t.shape))
-        result = compress_float(t, "layer_input", True, self.decision, place,
-                                small_tensor_numel(self.layer, t))
-        if result is None:
+        handle = compressed_at(getattr(self.layer, "layer_number", "?"), t, "layer_input", True, self.decision,
+                               small_tensor_numel(self.layer, t))
+        if handle is None:
             return t
-        codec, packed = result
-        if packed.nonfinite is not None:
-            dtype, shape = t.dtype, tuple(t.shape)
-            NONFINITE.note(packed.nonfinite, lambda: _Frame.describe_site(number, "layer_input", dtype, shape))
-        self.packed_bytes = packed.nbytes
-        return _Compressed(codec, packed, "layer_input")
+        self.packed_bytes = handle.packed.nbytes
+        return handle
+
+
+def compressed_at(layer_number: Any, t: torch.Tensor, op: str, is_output: bool, decision: Any,
+                  small_numel: int) -> _Compressed | None:
+    """``t``, saved by ``op`` of layer ``layer_number``, compressed under ``decision`` (:func:`compress_float`,
+    at that place's learned outlier capacity), its NaN/Inf flag handed to :data:`~megatron_adacc.core.saved.
+    NONFINITE` under the layer and op; None to keep it. One place for the decomposition and megatron's checkpoint."""
+    result = compress_float(t, op, is_output, decision, (layer_number, op, is_output, tuple(t.shape)), small_numel)
+    if result is None:
+        return None
+    if result[1].nonfinite is not None:
+        dtype, shape = t.dtype, tuple(t.shape)
+        saved_module.NONFINITE.note(result[1].nonfinite,
+                                    lambda: _Frame.describe_site(layer_number, op, dtype, shape))
+    return _Compressed(result[0], result[1], op)
 
 
 _KEEP_ALL = {name: Decision.keep() for name in OP_NAMES}
