@@ -328,33 +328,41 @@ def test_the_calibration_takes_paired_differences_of_alternating_runs() -> None:
     assert max(r["quant"] for r in rounds) == pytest.approx(0.050)
 
 
-def test_on_the_cpu_the_training_process_never_loads_the_milp_solver(tmp_path) -> None:
-    """On the CPU the budget is the training process's peak RSS, and PuLP with HiGHS held 5.2 MiB of it on
-    llama-tiny (a tenth of its activations; a GPU run holds them in host memory, outside its budget), more with
-    every re-solve of evolution. So ``auto`` solves in a forked child: a run that solved, tracked and re-solved
-    ends with neither imported, under a budget that keeps it from keeping everything."""
-    code = textwrap.dedent("""
+#: What ``auto``'s planning loads that a CPU training process must not hold (:mod:`~.integration.planning`).
+PLANNER_MODULES = ("pulp", "highspy", "sqlite3", "megatron_adacc.adacc.policy.profile_db",
+                   "megatron_adacc.adacc.policy.cost_model", "megatron_adacc.adacc.policy.solver",
+                   "megatron_adacc.adacc.policy.strategies")
+
+
+def test_on_the_cpu_the_training_process_never_loads_the_planner(tmp_path) -> None:
+    """On the CPU the budget is the training process's peak RSS. PuLP with HiGHS held 5.2 MiB of it on
+    llama-tiny (a tenth of its activations; a GPU run holds them in host memory, outside its budget), sqlite3, the
+    profile database and the cost model 2.4 more, and every re-solve of evolution grew it. So ``auto`` plans in a
+    forked child and evolution re-solves in one: a run that profiled, solved, tracked and re-solved ends with
+    none of them imported, under a budget that keeps it from keeping everything."""
+    code = textwrap.dedent(f"""
         import json, sys
         from megatron_adacc.training.args import parse_train_args
         from megatron_adacc.training.loop import train
         summary = train(parse_train_args(["--adacc-policy", "auto", "--adacc-memory-budget", "430MiB",
                                           "--adacc-process-baseline", "360MiB", "--train-iters", "2",
                                           "--no-progress"]))
-        tracked = summary["extensions"]["adacc_evolution"]["tracking_iterations"]
-        print(json.dumps([sorted(m for m in ("pulp", "highspy") if m in sys.modules), tracked,
+        evolution = summary["extensions"]["adacc_evolution"]
+        print(json.dumps([sorted(m for m in {PLANNER_MODULES!r} if m in sys.modules),
+                          evolution["tracking_iterations"], [t[2] is not None for t in evolution["tracks"]],
                           summary["extensions"]["adacc"]["decisions"]]))
     """)
     env = {**os.environ, "ADACC_PROFILE_DB": str(tmp_path / "profile.sqlite")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    loaded, tracked, decisions = json.loads(out.stdout.strip().splitlines()[-1])
-    assert loaded == [] and tracked == [1, 2]
+    loaded, tracked, resolved, decisions = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [] and tracked == [1, 2] and resolved == [True, True]
     assert set(decisions) != {"keep"}, decisions  # the budget made it solve the MILP, in the child
 
 
 def test_a_solve_in_a_forked_child_answers_as_in_process_and_refuses_the_same() -> None:
     """In a fresh interpreter, the forked solves first: this one may have run HiGHS already, whose thread pool a
-    forked child lacks (auto.isolated_solves never forks such a process)."""
+    forked child lacks (planning.isolated_solves never forks such a process)."""
     code = textwrap.dedent("""
         import sys
         from megatron_adacc.adacc.policy.profile import analytic_profile
@@ -395,7 +403,7 @@ def test_a_solve_in_a_forked_child_answers_as_in_process_and_refuses_the_same() 
 def test_a_process_that_loaded_pulp_solves_in_process() -> None:
     import pulp  # noqa: F401 - loaded, as in a session that solved before
 
-    from megatron_adacc.adacc.integration.auto import isolated_solves
+    from megatron_adacc.adacc.integration.planning import isolated_solves
 
     assert not isolated_solves(torch.device("cpu"))
 

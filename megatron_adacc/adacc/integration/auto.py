@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,6 +10,7 @@ import torch
 
 from megatron_adacc.adacc.integration import profile_child
 from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout
+from megatron_adacc.adacc.integration.planning import isolated_solves, run_device
 from megatron_adacc.adacc.policy.ops import Action
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import LayerProfile
@@ -20,7 +20,7 @@ from megatron_adacc.adacc.policy.solver import SolveOptions, op_costs, solve_sta
 from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.adacc.runtime import stages
 from megatron_adacc.compat.process import forked
-from megatron_adacc.core.devices import resident_bytes, resolve_device
+from megatron_adacc.core.devices import resident_bytes
 from megatron_adacc.core.errors import AdaccError
 from megatron_adacc.core.log import get_logger
 from megatron_adacc.core.units import format_bytes
@@ -30,11 +30,6 @@ T = TypeVar("T")
 
 LOG = get_logger()
 _log = LOG.info
-
-
-def run_device(args: Any) -> torch.device:
-    """The device the run trains on (``--device``, default: CUDA where there is one)."""
-    return resolve_device(getattr(args, "device", "auto"))
 
 
 def get_or_make_profile(args: Any, config: Any, *, log: Callable[[str], None] = _log, force: bool = False,
@@ -142,18 +137,6 @@ def make_policy(args: Any, config: Any, *, log: Callable[[str], None] = _log, is
     budget = getattr(args, "adacc_memory_budget", None) or device_memory_bytes(device)
     return on_rank0(lambda: solve_stages(layer, ref, args, config, budget, options, log,
                                          isolate=isolated_solves(device)))
-
-
-def isolated_solves(device: torch.device) -> bool:
-    """Whether the MILP runs in a forked child (:func:`~megatron_adacc.compat.process.forked`): on the CPU, where
-    the budget is this process's peak RSS. PuLP, the backend it loads and their working memory (5.2 MiB resident
-    on llama-tiny, a tenth of its activations) are what a GPU run holds in host memory, outside its budget; in
-    the training process they would count in the CPU's, and grow with every re-solve of evolution.
-
-    Not in a process that has loaded PuLP already (a notebook that solved before, a test session): it holds them
-    anyway, and HiGHS's thread pool, started by its first solve, does not survive a fork (the child's solve
-    waits forever for threads that are not there)."""
-    return device.type == "cpu" and hasattr(os, "fork") and "pulp" not in sys.modules
 
 
 def solve_stages(layer: LayerProfile, ref: dict[str, Any], args: Any, config: Any, budget: float,

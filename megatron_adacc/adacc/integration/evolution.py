@@ -38,10 +38,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_adacc.adacc.policy.ops import OPS, OUTLIER_CODEC
+from megatron_adacc.adacc.policy.options import SolveOptions
 from megatron_adacc.adacc.policy.policy import Policy
 from megatron_adacc.adacc.policy.profile import CodecProfile, LayerProfile
-from megatron_adacc.adacc.policy.solver import SolveOptions, evaluate_stage, solve_stage
-from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
 from megatron_adacc.compat.process import forked
 from megatron_adacc.core.extension import TrainingContext, TrainingExtension
 from megatron_adacc.core.log import get_logger
@@ -227,7 +226,7 @@ class PolicyEvolution(TrainingExtension):
     """Micro-batches whose activations the policy's layers hold at once (a pipeline stage's, under 1F1B): the
     solve and the comparison count each."""
     isolate_solves: bool = False
-    """Re-solve in a forked child (``auto.isolated_solves``: on the CPU, where the budget is peak RSS)."""
+    """Re-solve in a forked child (``planning.isolated_solves``: on the CPU, where the budget is peak RSS)."""
     retime: bool = True
     """Adopt the codec times re-measured on tracking iterations (step 2 above). Off under Megatron's
     ``--deterministic-mode``: timings differ from run to run, and a switch they decide makes a resumed run, or a
@@ -325,20 +324,13 @@ class PolicyEvolution(TrainingExtension):
         measured = agreed(self.source.measure(self.policy))
         self.outliers.add(iteration, measured)
         self.profile = self.updated_profile(measured)
-        chain = self.options.chain_aware
-        current = evaluate_stage(self.profile, self.policy, self.in_flight, chain_aware=chain)
-        candidate: Policy | None = None
-        def solve() -> tuple[Policy, Any]:
-            return solve_stage(self.profile, self.budget_bytes, self.options, layers=self.policy.num_layers,
-                               in_flight=self.in_flight, profile_ref=self.policy.profile,
-                               signature=self.policy.signature)
-
-        try:
-            candidate, _ = forked(solve) if self.isolate_solves else solve()
-        except InfeasibleBudgetError as e:
-            reason = f"no policy fits any more ({e}); keeping the current one"
-        cand = (evaluate_stage(self.profile, candidate, self.in_flight, chain_aware=chain)
-                if candidate is not None else None)
+        # the evaluations and the solve together: the cost model and the solver stay out of this process where
+        # the solves fork (``planning.isolated_solves``)
+        inputs = (self.profile, self.policy, self.budget_bytes, self.options, self.in_flight)
+        current, candidate, cand, refusal = (forked(lambda: resolve(*inputs)) if self.isolate_solves
+                                             else resolve(*inputs))
+        if refusal is not None:
+            reason = f"no policy fits any more ({refusal}); keeping the current one"
         fits = current["memory_bytes"] <= self.budget_bytes
         same = candidate is not None and candidate.same_decisions(self.policy)
         switched = False
@@ -366,6 +358,23 @@ class PolicyEvolution(TrainingExtension):
         return record
 
 
+def resolve(profile: LayerProfile, policy: Policy, budget_bytes: float, options: SolveOptions,
+            in_flight: int) -> tuple[dict[str, float], Policy | None, dict[str, float] | None, str | None]:
+    """One tracking iteration's solver work: the running policy evaluated on ``profile``, the policy solved
+    afresh, that one evaluated, and the refusal's words where nothing fits any more."""
+    from megatron_adacc.adacc.policy.solver import evaluate_stage, solve_stage
+    from megatron_adacc.adacc.policy.strategies import InfeasibleBudgetError
+
+    chain = options.chain_aware
+    current = evaluate_stage(profile, policy, in_flight, chain_aware=chain)
+    try:
+        candidate, _ = solve_stage(profile, budget_bytes, options, layers=policy.num_layers, in_flight=in_flight,
+                                   profile_ref=policy.profile, signature=policy.signature)
+    except InfeasibleBudgetError as e:
+        return current, None, None, str(e)
+    return current, candidate, evaluate_stage(profile, candidate, in_flight, chain_aware=chain), None
+
+
 def _solved_with(args: Any, policy: Policy, profile: LayerProfile) -> SolveOptions:
     """The options to re-solve ``policy`` under: the run's, with the process memory the policy was solved
     against where the run names none. A policy file solved on the CPU counted the process's own memory in its
@@ -377,9 +386,21 @@ def _solved_with(args: Any, policy: Policy, profile: LayerProfile) -> SolveOptio
     return options
 
 
-def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution | None:
-    """The evolution extension for a solved policy (``--adacc-policy auto``), or None when turned off or
-    when the policy does not reference a stored profile (presets, hand-written files)."""
+@dataclass
+class EvolutionStart:
+    """What a run's evolution re-solves from, prepared where the policy was solved (:mod:`~.planning`): the
+    profile the policy names, charged with this run's model states and workspace as its first solve was; the
+    policy of this rank's pipeline stage, the micro-batches the stage holds in flight, and the solve's options."""
+
+    profile: LayerProfile
+    policy: Policy
+    in_flight: int
+    options: SolveOptions
+
+
+def evolution_start(args: Any, config: Any, policy: Policy) -> EvolutionStart | None:
+    """Where evolution starts for a solved policy (``--adacc-policy auto``), or None when turned off or when the
+    policy does not reference a stored profile (presets, hand-written files)."""
     if getattr(args, "adacc_no_evolution", False) or not policy.solved:
         return None
     from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout, this_stage
@@ -391,12 +412,6 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
         get_logger().warning(f"policy evolution is off: the profile the policy was solved from ({ref.get('db')}, "
                              f"#{ref.get('id')}) is not available here")
         return None
-
-    def apply(new: Policy) -> None:
-        from megatron_adacc.adacc.integration import install
-
-        install(new, config=config)
-
     held = 1
     if config is not None:  # re-solves count this run's model states and workspace, as its first solve did
         profile = charge_static(profile, args, config)
@@ -405,10 +420,25 @@ def build_extension(args: Any, config: Any, policy: Policy) -> PolicyEvolution |
             stage = this_stage()
             _, layers, held = stage_layout(args, config)[stage]
             policy = policy.stage(stage * layers, layers) if policy.num_layers != layers else policy
-    from megatron_adacc.adacc.integration.auto import isolated_solves, run_device
+    return EvolutionStart(profile, policy, held, _solved_with(args, policy, profile))
 
-    return PolicyEvolution(profile=profile, policy=policy, budget_bytes=float(policy.budget_bytes),
-                           options=_solved_with(args, policy, profile), apply=apply,
-                           cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024), in_flight=held,
+
+def build_extension(args: Any, config: Any, policy: Policy,
+                    start: EvolutionStart | None = None) -> PolicyEvolution | None:
+    """The evolution extension for a solved policy, from ``start`` (:func:`evolution_start` of the same
+    arguments when not given), or None when :func:`evolution_start` finds none."""
+    start = start or evolution_start(args, config, policy)
+    if start is None:
+        return None
+    from megatron_adacc.adacc.integration.planning import isolated_solves, run_device
+
+    def apply(new: Policy) -> None:
+        from megatron_adacc.adacc.integration import install
+
+        install(new, config=config)
+
+    return PolicyEvolution(profile=start.profile, policy=start.policy, budget_bytes=float(start.policy.budget_bytes),
+                           options=start.options, apply=apply,
+                           cap=int(getattr(args, "adacc_evolution_cap", 1024) or 1024), in_flight=start.in_flight,
                            isolate_solves=isolated_solves(run_device(args)),
                            retime=not getattr(args, "deterministic_mode", False))

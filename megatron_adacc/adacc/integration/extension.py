@@ -157,7 +157,10 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
     """
     from megatron_adacc.adacc.integration.policy_source import resolve_policy
 
-    policy = resolve_policy(args, config, isolate=True)
+    return _extension(args, config, resolve_policy(args, config, isolate=True))
+
+
+def _extension(args: Any, config: Any, policy: Any) -> AdaccExtension:
     predict = getattr(args, "adacc_predict_memory", None)
     if predict is None:  # the solver's prediction, where there is one, costs nothing at run time
         predict = not (getattr(policy, "predicted", None) or {}).get("per_layer")
@@ -168,14 +171,14 @@ def build_extension(args: Any, config: Any) -> AdaccExtension:
 
 def build_extensions(args: Any, config: Any) -> list[TrainingExtension]:
     """``--adacc-policy``'s extensions: the policy's, then evolution's when the policy was solved (``auto``)
-    and evolution is not turned off: only a solved policy carries the profile and budget it re-solves against."""
-    from megatron_adacc.adacc.policy import Policy
+    and evolution is not turned off. ``auto`` plans out of this process where it can (:mod:`~.planning`)."""
+    from megatron_adacc.adacc.integration.planning import plan
 
-    adacc = build_extension(args, config)
-    policy = adacc.policy
-    if not (isinstance(policy, Policy) and policy.solved):
+    planned = plan(args, config)
+    adacc = _extension(args, config, planned.policy)
+    if planned.evolution is None:
         return [adacc]  # nothing to re-solve, and the solver (evolution's import) stays unloaded
     from megatron_adacc.adacc.integration.evolution import build_extension as evolution_extension
 
-    evolution = evolution_extension(args, config, policy)
+    evolution = evolution_extension(args, config, adacc.policy, planned.evolution)
     return [adacc] if evolution is None else [adacc, evolution]
