@@ -21,9 +21,13 @@ def _uninstall(monkeypatch, tmp_path):
 
 
 def test_auto_policy_trains_with_evolution():
-    summary = train(parse_train_args(SMALL + ["--train-iters", "4", "--adacc-policy", "auto",
-                                              "--adacc-memory-budget", "64GiB"]))
-    assert "adacc" in summary["extensions"]
+    """Under a budget that keeps it from keeping everything: a policy keeping everything starts no evolution."""
+    auto = SMALL + ["--adacc-policy", "auto"]
+    with pytest.raises(InfeasibleBudgetError) as refusal:
+        train(parse_train_args(auto + ["--train-iters", "1", "--adacc-memory-budget", "1MiB"]))
+    budget = refusal.value.min_feasible_bytes + 2**16  # activations here are a few hundred KiB a layer
+    summary = train(parse_train_args(auto + ["--train-iters", "4", "--adacc-memory-budget", str(budget)]))
+    assert set(summary["extensions"]["adacc"]["decisions"]) != {"keep"}
     evolution = summary["extensions"]["adacc_evolution"]
     assert evolution["tracking_iterations"] == [1, 2, 4]
     # every op offering outlier-separated INT4 was sampled on each tracking iteration, whatever its decision

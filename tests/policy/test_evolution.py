@@ -207,12 +207,41 @@ def test_a_policy_file_evolves_against_the_process_memory_it_was_solved_with(tmp
     profile = analytic_profile(SIG)
     pid = db.put(profile)
     baseline = 300 * 2**20
-    policy, _ = solve_policy(profile, 2 * 2**30, SolveOptions(process_baseline_bytes=baseline))
+    policy, _ = solve_policy(profile, _tight(profile, baseline), SolveOptions(process_baseline_bytes=baseline))
     policy.profile = {"db": str(db.path), "id": pid}
     evo = build_extension(SimpleNamespace(adacc_no_evolution=False), None, policy)
     assert evo.options.process_baseline_bytes == baseline
     given = build_extension(SimpleNamespace(adacc_no_evolution=False, adacc_process_baseline_bytes=7.0), None, policy)
     assert given.options.process_baseline_bytes == 7.0  # the command line's own figure wins
+
+
+def _tight(profile, baseline: float = 0.0) -> float:
+    """A budget under which ``profile``'s policy compresses or recomputes (one keeping everything never evolves)."""
+    return make_problem(profile, None, SolveOptions(process_baseline_bytes=baseline)).min_feasible_budget(
+        stash=True) * 1.05
+
+
+def test_a_policy_that_keeps_everything_starts_no_evolution(tmp_path, capsys, adacc_log) -> None:
+    """No re-solve can better a policy that keeps everything (it costs nothing, and its memory does not depend
+    on outliers), so its run tracks nothing: the probe would only cost time and, on the CPU, resident memory.
+    A policy of the same profile that compresses or recomputes does evolve."""
+    from types import SimpleNamespace
+
+    from megatron_adacc.adacc.integration.evolution import build_extension
+    from megatron_adacc.adacc.policy.profile_db import ProfileDB
+
+    db = ProfileDB(tmp_path / "p.sqlite")
+    ref = {"db": str(db.path), "id": db.put(analytic_profile(SIG))}
+    args = SimpleNamespace(adacc_no_evolution=False)
+    roomy, _ = solve_policy(analytic_profile(SIG), 2 * 2**30)
+    assert {d.action for layer in roomy.layers for d in layer} == {Action.KEEP}
+    roomy.profile = ref
+    assert build_extension(args, None, roomy) is None
+    assert "keeps everything" in capsys.readouterr().err
+    tight, _ = solve_policy(analytic_profile(SIG), _tight(analytic_profile(SIG)))
+    assert {d.action for layer in tight.layers for d in layer} != {Action.KEEP}
+    tight.profile = ref
+    assert build_extension(args, None, tight) is not None
 
 
 def test_a_run_continuing_a_checkpoint_made_without_evolution_tracks_from_its_own_start() -> None:
@@ -338,7 +367,7 @@ def test_deterministic_mode_keeps_the_profiled_codec_times_and_still_follows_out
     assert [r.iteration for r in evo.switches] == [8]
 
     db = ProfileDB(tmp_path / "p.sqlite")
-    policy, _ = solve_policy(analytic_profile(SIG), 2 * 2**30)
+    policy, _ = solve_policy(analytic_profile(SIG), _tight(analytic_profile(SIG)))
     policy.profile = {"db": str(db.path), "id": db.put(analytic_profile(SIG))}
     assert build_extension(SimpleNamespace(adacc_no_evolution=False), None, policy).retime
     assert not build_extension(SimpleNamespace(adacc_no_evolution=False, deterministic_mode=True), None,
