@@ -2,8 +2,9 @@
 
 On the CPU the budget is the training process's peak RSS. The planner's machinery is what a GPU run holds in
 host memory, outside its budget: sqlite3 and the profile database, the cost model and the solver's strategies,
-PuLP and its MILP backend, and the working memory of a solve. In the CPU's training process they counted: 2.4
-MiB without PuLP and 7.6 with it, against llama-tiny's 35 MiB between no recompute and full recompute.
+PuLP and its MILP backend, and the working memory of a solve. In the CPU's training process they counted against
+llama-tiny's 35 MiB between no recompute and full recompute: PuLP and HiGHS 5.2 MiB, until the solves forked, and
+the rest 2.35 MiB, until planning did (30-step runs keeping everything, 2026-12-07).
 
 So a process that can fork and is its own world plans in a forked child (:func:`plan`): the child looks up or
 makes the profile, calibrates, solves and prepares evolution, and the training process keeps only the answers,
