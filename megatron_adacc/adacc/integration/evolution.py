@@ -405,7 +405,8 @@ def evolution_start(args: Any, config: Any, policy: Policy) -> EvolutionStart | 
     probe would only spend the tracking iterations' time and, on the CPU, 0.9 MiB of llama-tiny's peak RSS."""
     if getattr(args, "adacc_no_evolution", False) or not policy.solved:
         return None
-    if all(d.action == Action.KEEP for layer in policy.layers for d in layer):
+    # the whole policy, not this stage's: every rank must track, or none (their samples are merged)
+    if not any(n for action, n in policy.counts().items() if action != Action.KEEP):
         get_logger().info("policy evolution is off: the policy keeps everything, which no re-solve can better")
         return None
     from megatron_adacc.adacc.integration.model_states import charge_static, stage_layout, this_stage

@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_adacc.adacc.integration.evolution import EvolutionStart
 
 #: What planning sets on the run's arguments, handed back from a forked planner: the process memory the policy was
 #: solved against, which the run's report and a re-solve read from the arguments (``auto.process_baseline``).
@@ -43,7 +46,11 @@ def isolated_solves(device: torch.device) -> bool:
     Not in a process that has loaded PuLP already (a notebook that solved before, a test session): it holds them
     anyway, and HiGHS's thread pool, started by its first solve, does not survive a fork (the child's solve
     waits forever for threads that are not there)."""
-    return device.type == "cpu" and hasattr(os, "fork") and "pulp" not in sys.modules
+    return device.type == "cpu" and hasattr(os, "fork") and "pulp" not in sys.modules and not _in_planner
+
+
+#: Set in the forked child that plans (:func:`plan`): its solves need no child of their own.
+_in_planner = False
 
 
 def plans_in_child(args: Any) -> bool:
@@ -60,7 +67,7 @@ class Plan:
 
     policy: Any
     """None (``none``), a preset's name or policy, a file's policy, or the policy ``auto`` solved."""
-    evolution: Any = None
+    evolution: EvolutionStart | None = None
     """Where evolution starts (:class:`~.evolution.EvolutionStart`): a solved policy's, unless turned off."""
     settled: dict[str, Any] = field(default_factory=dict)
     """The arguments planning set (:data:`SETTLED_ARGS`)."""
@@ -74,16 +81,18 @@ def plan(args: Any, config: Any) -> Plan:
         return _plan(args, config)
     from megatron_adacc.compat.process import forked
 
-    answer = forked(lambda: _plan(args, config))
+    answer = forked(lambda: _plan(args, config, in_child=True))
     for name, value in answer.settled.items():
         setattr(args, name, value)
     return answer
 
 
-def _plan(args: Any, config: Any) -> Plan:
+def _plan(args: Any, config: Any, *, in_child: bool = False) -> Plan:
     from megatron_adacc.adacc.integration.policy_source import resolve_policy
     from megatron_adacc.adacc.policy.policy import Policy
 
+    global _in_planner
+    _in_planner = in_child  # only ever set in the forked child, whose memory this is
     policy = resolve_policy(args, config, isolate=True)
     start = None
     if isinstance(policy, Policy) and policy.solved:  # only a solved policy names the profile it re-solves from
