@@ -15,6 +15,7 @@ METHODS = ("ef_residual", "ef_residual_reduce_scatter")
 
 # QSGD: the owners quantize the sum again at every N; top-k's keep all of 4 ranks' entries, so the difference
 # is the selection by shard (8 ranks, where they drop entries, is `adacc bench resireduce --nproc 8`).
+@pytest.mark.long
 @pytest.mark.parametrize("compressor", ["qsgd", pytest.param("topk", marks=pytest.mark.slow)])
 def test_the_reduce_scatter_trains_within_one_percent_of_the_allgather(compressor):
     args = SimpleNamespace(quick=True, nproc=4, grad_compressor=compressor, grad_compress_density=0.01,

@@ -28,6 +28,7 @@ def _core_attention(model: torch.nn.Module) -> str:
     return type(model.decoder.layers[0].self_attention.core_attention).__name__
 
 
+@pytest.mark.long
 def test_llama_tiny_trains_with_sdpa_under_the_solved_policy():
     summary, model = train(parse_train_args(SMALL + ["--attention-backend", "flash", "--adacc-policy", "auto",
                                                      "--train-iters", "2"]), return_model=True)

@@ -43,6 +43,7 @@ def _adacc_train(flags: list[str], db: Path, out: Path, *, refused: bool = False
     return json.loads(out.read_text())
 
 
+@pytest.mark.long
 def test_a_cold_cache_run_keeps_its_budget(tmp_path):
     """The tiny config at a budget between the smallest one Adacc can keep and stock Megatron's own peak, both
     measured here first: what a process holds besides its tensors depends on the machine and its libraries, so
@@ -168,6 +169,7 @@ def test_a_compressing_calibration_run_is_read_against_its_own_policy():
     assert abs(auto.baseline_from_run(profile, int(compress + 3e6), [], compressing=True) - 3e6) <= 1
 
 
+@pytest.mark.long
 def test_a_profile_of_another_model_is_not_reused(tmp_path, monkeypatch):
     """`auto` on the same database for a model that differs in one signature field (GQA's query groups) profiles
     that model: a second profile beside the first, never the first one's costs for another layer."""
