@@ -20,6 +20,7 @@ capped (:data:`RANK_MEMORY_CAP_GIB`).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import math
 import os
 import re
@@ -399,9 +400,15 @@ def compare(run: Run, reference: Run) -> Comparison:
 
 
 def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: Path,
-               log=lambda message: print(message, file=sys.stderr, flush=True)) -> dict[str, Run]:
-    """Run ``cases`` and the references they name, each once."""
-    runs: dict[str, Run] = {}
+               log=lambda message: print(message, file=sys.stderr, flush=True), *,
+               slots: int | None = None) -> dict[str, Run]:
+    """Run ``cases`` and the references they name, each once, side by side where they fit in ``slots`` ranks
+    (default :data:`MATRIX_SLOTS_ENV`, else the machine's cores), returned in their order.
+
+    Ranks run one thread each, and most of a small case's wall time is its start (importing torch and Megatron
+    on one core): two one-rank cases together take about as long as one. Cases that touch the same profile
+    database, their own or their budget probe's, run one after the other in the order named: ``auto-warm`` reads
+    what ``auto-cold`` profiled, and a resumed ``auto`` case must solve from the profile its straight run did."""
     wanted: list[str] = []
 
     def want(c: Case) -> None:  # references first, transitively
@@ -412,13 +419,47 @@ def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: 
 
     for c in cases:
         want(c)
-    for name in wanted:
-        c = case(name)
+    slots = max(1, slots or int(os.environ.get(MATRIX_SLOTS_ENV) or os.cpu_count() or 1))
+    runs: dict[str, Run] = {}
+    pending = [case(name) for name in wanted]
+    running: dict[concurrent.futures.Future, Case] = {}
+    free = slots
+
+    def blocked(c: Case, before: Sequence[Case]) -> bool:
+        return any(_databases(c) & _databases(other) for other in before)
+
+    def run(c: Case) -> Run:
         extra = auto_budget_flags(c, launcher, workdir) if _is_auto(c) else []
-        runs[name] = run_case(c, launcher, workdir, extra=extra)
-        r = runs[name]
-        log(f"{name:16s} exit {r.returncode}  {len(r.records)} iterations  {r.wall_s:5.1f} s")
-    return runs
+        return run_case(c, launcher, workdir, extra=extra)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=slots) as pool:
+        while pending or running:
+            for c in list(pending):  # in order: a case waits for those before it on its databases
+                need = min(c.nproc, slots)
+                earlier = [*running.values(), *pending[:pending.index(c)]]
+                if need <= free and not blocked(c, earlier):
+                    pending.remove(c)
+                    running[pool.submit(run, c)] = c
+                    free -= need
+            done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                c = running.pop(future)
+                free += min(c.nproc, slots)
+                r = runs[c.name] = future.result()
+                log(f"{c.name:16s} exit {r.returncode}  {len(r.records)} iterations  {r.wall_s:5.1f} s")
+    return {name: runs[name] for name in wanted}
+
+
+#: Ranks :func:`run_matrix` runs at once (default: the machine's cores). 1: one case at a time.
+MATRIX_SLOTS_ENV = "ADACC_E2E_SLOTS"
+
+
+def _databases(c: Case) -> frozenset[str]:
+    """The profile databases ``c`` touches: its own, and its budget probe's (none for a case without Adacc)."""
+    if c.stock or not _adacc_on(list(c.flags)):
+        return frozenset()
+    source = case(c.budget_from) if c.budget_from else c
+    return frozenset({c.profile_db, source.profile_db})
 
 
 def trains(run: Run) -> bool:
