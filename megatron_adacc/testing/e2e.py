@@ -420,13 +420,12 @@ def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: 
     for c in cases:
         want(c)
     slots = max(1, slots or int(os.environ.get(MATRIX_SLOTS_ENV) or os.cpu_count() or 1))
-    runs: dict[str, Run] = {}
     pending = [case(name) for name in wanted]
+    databases = {c.name: _databases(c) for c in pending}
+    need = {c.name: min(c.nproc, slots) for c in pending}
+    runs: dict[str, Run] = {}
     running: dict[concurrent.futures.Future, Case] = {}
     free = slots
-
-    def blocked(c: Case, before: Sequence[Case]) -> bool:
-        return any(_databases(c) & _databases(other) for other in before)
 
     def run(c: Case) -> Run:
         extra = auto_budget_flags(c, launcher, workdir) if _is_auto(c) else []
@@ -435,16 +434,15 @@ def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: 
     with concurrent.futures.ThreadPoolExecutor(max_workers=slots) as pool:
         while pending or running:
             for c in list(pending):  # in order: a case waits for those before it on its databases
-                need = min(c.nproc, slots)
                 earlier = [*running.values(), *pending[:pending.index(c)]]
-                if need <= free and not blocked(c, earlier):
+                if need[c.name] <= free and not any(databases[c.name] & databases[o.name] for o in earlier):
                     pending.remove(c)
                     running[pool.submit(run, c)] = c
-                    free -= need
+                    free -= need[c.name]
             done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 c = running.pop(future)
-                free += min(c.nproc, slots)
+                free += need[c.name]
                 r = runs[c.name] = future.result()
                 log(f"{c.name:16s} exit {r.returncode}  {len(r.records)} iterations  {r.wall_s:5.1f} s")
     return {name: runs[name] for name in wanted}
