@@ -68,7 +68,8 @@ def test_a_cold_cache_run_keeps_its_budget(tmp_path):
     figures = {k: report[k] for k in ("peak_bytes", "predicted_peak_bytes", "budget_bytes")}
     assert report["over_budget"] is False and summary["peak_memory_bytes"] <= budget, figures
     assert report["decisions"] != {"keep": 52}  # the budget made Adacc save memory
-    key = auto._run_key(parse_train_args([]))
+    key = auto._run_key(parse_train_args(FEW))
+    assert key.endswith(";steps=3")  # calibrated over the run's own 3 steps, not 30
     assert ProfileDB(db).get_baseline(1, key) is not None
     assert ProfileDB(db).get_baseline(1, key + auto._CODEC_PAGES) is not None  # the compressing run's share
 
@@ -104,6 +105,22 @@ def test_a_stored_calibration_is_reused(tmp_path):
     assert auto.process_baseline(args, None, ref, 1, logs.append) == 400 * 2**20
     assert "calibrated for micro_batch_size=4" in logs[-1] and "on profile #7" in logs[-1]
     assert db.get_baseline(7, auto._run_key(parse_train_args(["--micro-batch-size", "8"]))) is None
+
+
+def test_a_calibration_is_as_long_as_the_run_and_a_longer_run_never_reuses_a_shorter_one(tmp_path):
+    """A 3-step run calibrates over 3 steps (a run never peaks in steps it does not take) and stores that under
+    its own key; a full-length calibration covers a shorter run (its heap grew over more steps), never the
+    other way round."""
+    db = ProfileDB(tmp_path / "p.sqlite")
+    short, long_ = parse_train_args(["--train-iters", "3"]), parse_train_args(["--train-iters", "500"])
+    assert (auto.calibration_steps(short), auto.calibration_steps(long_)) == (3, auto.CALIBRATION_STEPS)
+    ref = {"db": str(db.path), "id": 3}
+    db.put_baseline(3, auto._run_key(short), 300 * 2**20)
+    assert auto.process_baseline(short, None, ref, 1, lambda _: None) == 300 * 2**20
+    assert auto._stored_baseline(db, 3, long_) is None  # the 500-step run calibrates its own 30 steps
+    db.put_baseline(3, auto._run_key(long_), 310 * 2**20)
+    assert auto._stored_baseline(db, 3, parse_train_args(["--train-iters", "5"])) == 310 * 2**20
+    assert auto._stored_baseline(db, 3, short) == 300 * 2**20  # its own first
 
 
 @pytest.mark.parametrize("peak, over", [(100, False), (10**12, True)])

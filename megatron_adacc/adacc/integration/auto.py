@@ -199,7 +199,7 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
     measured peak minus the cost model's prediction for it. Without a host that can run one, this process's
     resident size now (``resident``)."""
     db, key = ProfileDB(ref["db"]), _run_key(args)
-    baseline = db.get_baseline(int(ref["id"]), key)
+    baseline = _stored_baseline(db, int(ref["id"]), args)
     if baseline is None:
         on_rank0(lambda: _calibrate(args, profile, ref, db, key, log))
         baseline = db.get_baseline(int(ref["id"]), key)
@@ -219,13 +219,14 @@ def process_baseline(args: Any, profile: LayerProfile, ref: dict[str, Any], resi
 LOW_FRAGMENTATION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def _run_key(args: Any) -> str:
-    """What a calibrated process baseline depends on besides the profile: the micro-batch, the allocator, and the
-    MILP backend loaded into the process (:func:`_calibrate`): ``forked`` where the calibration's solves ran in a
-    child (:func:`isolated_solves`: a fresh process on a system that forks), which loads none. ``peak=own``:
-    calibrations stored before the peak was the child's own (core.devices.peak_resident_bytes) counted the
-    training process that launched them, and are not reused; nor are those without a ``milp`` (their run loaded
-    no solver), or with a backend (their process held it).
+def _run_key(args: Any, *, full: bool = False) -> str:
+    """What a calibrated process baseline depends on besides the profile: the micro-batch, the allocator, the
+    calibration's length where it was shorter than :data:`CALIBRATION_STEPS` (``full``: the key of a full-length
+    one), and the MILP backend loaded into the process (:func:`_calibrate`): ``forked`` where the calibration's
+    solves ran in a child (:func:`isolated_solves`: a fresh process on a system that forks), which loads none.
+    ``peak=own``: calibrations stored before the peak was the child's own (core.devices.peak_resident_bytes)
+    counted the training process that launched them, and are not reused; nor are those without a ``milp`` (their
+    run loaded no solver), or with a backend (their process held it).
     A run of several processes adds its layout: its ranks hold their own stages and shards, and a host measures
     them all."""
     if hasattr(os, "fork"):
@@ -236,6 +237,8 @@ def _run_key(args: Any) -> str:
         milp = select_backend()
     key = (f"micro_batch_size={getattr(args, 'micro_batch_size', None)};malloc=MALLOC_MMAP_THRESHOLD_=65536;"
            f"peak=own;milp={milp}")
+    if not full and (steps := calibration_steps(args)) < CALIBRATION_STEPS:
+        key += f";steps={steps}"
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else 1
     if world > 1:
@@ -257,7 +260,16 @@ _CODEC_PAGES = ";codec_pages"
 def codec_pages(args: Any, ref: dict[str, Any]) -> int:
     """What a compressing policy's process holds beyond a keep-everything one's, as this profile's calibration
     measured it for this run (:func:`_calibrate`); 0 where it measured none (several ranks, no trace)."""
-    return ProfileDB(ref["db"]).get_baseline(int(ref["id"]), _run_key(args) + _CODEC_PAGES) or 0
+    return _stored_baseline(ProfileDB(ref["db"]), int(ref["id"]), args, _CODEC_PAGES) or 0
+
+
+def _stored_baseline(db: ProfileDB, profile_id: int, args: Any, suffix: str = "") -> int | None:
+    """The calibration stored for this run: its own, else a full-length one, which a shorter run may take (its
+    heap has grown over more steps than the run will take, so it over-counts rather than under-counts)."""
+    for key in dict.fromkeys([_run_key(args), _run_key(args, full=True)]):
+        if (found := db.get_baseline(profile_id, key + suffix)) is not None:
+            return found
+    return None
 
 
 #: Steps of each calibration run. A process's heap grows over its steps before it settles, Megatron's alone as
@@ -265,6 +277,15 @@ def codec_pages(args: Any, ref: dict[str, Any]) -> int:
 #: everything by 0.9 (2.6 MiB from step 2 to 6 with a compressing policy). Calibrated at 8 steps, 30-step runs
 #: of lossless policies peaked up to 1.2 MiB over their predictions; the budget is a peak over the whole run.
 CALIBRATION_STEPS = 30
+
+
+def calibration_steps(args: Any) -> int:
+    """Steps of each calibration run for the run of ``args``: :data:`CALIBRATION_STEPS`, or the run's own
+    length where that is shorter (a smoke test of 3 steps): a run never peaks in steps it does not take, and
+    a calibration run costs its start plus its steps. A shorter calibration is stored under its own length
+    (:func:`_run_key`), so a longer run never reuses it."""
+    iters = getattr(args, "train_iters", None)
+    return min(CALIBRATION_STEPS, int(iters)) if iters else CALIBRATION_STEPS
 #: The budget a calibration run solves for: one every policy fits, so the solver keeps everything (the fastest).
 _UNBOUNDED = 2**62
 
@@ -282,12 +303,13 @@ def _calibrate(args: Any, profile: LayerProfile, ref: dict[str, Any], db: Profil
     runner = host.current()
     if not runner.runs_training:
         return
-    log(f"calibrating the process memory: {CALIBRATION_STEPS} keep-everything steps of this command ({runner.name}), "
+    steps = calibration_steps(args)
+    log(f"calibrating the process memory: {steps} keep-everything steps of this command ({runner.name}), "
         "and compressing ones, in child processes, once per profile, micro-batch size and parallel layout")
 
     def measured(trace: bool, run: bool | str = True) -> dict | None:
         return runner.measure_run(args, env=LOW_FRAGMENTATION_MALLOC, adacc_policy="auto",
-                                  train_iters=CALIBRATION_STEPS, adacc_no_evolution=True, adacc_predict_memory=False,
+                                  train_iters=steps, adacc_no_evolution=True, adacc_predict_memory=False,
                                   adacc_memory_budget=_UNBOUNDED, adacc_memory_headroom=0.0,
                                   adacc_process_baseline_bytes=None, adacc_trace_backward=trace,
                                   **{CALIBRATION_RUN: run})
