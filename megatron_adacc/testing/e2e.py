@@ -68,7 +68,8 @@ class Case:
     """No reference: every loss is finite and the last is below the first (lossy gradient communication)."""
     iterations: int = ITERATIONS
     resume_at: int | None = None
-    """Train to this iteration, save a checkpoint and exit; then load it and train to the end (two launches)."""
+    """Load the checkpoint that the reference's straight run saved at this iteration and train to the end: the
+    second half of a save and resume, whose first half is the reference itself (one launch, not two)."""
     budget_from: str | None = None
     """For ``auto``: the case whose budget probe this one reuses (default: its own)."""
     profile_db: str = "profile"
@@ -82,6 +83,11 @@ class Case:
     on_demand: bool = False
     """Run only when named (``ADACC_E2E_CASES``, the command line): too heavy for CI's 2 cores (4 ranks), or
     what a case in CI already covers."""
+
+    @property
+    def recorded(self) -> int:
+        """The iterations this case's launch trains and records (a resumed one: those after ``resume_at``)."""
+        return self.iterations - (self.resume_at or 0)
 
 
 #: ``--resireduce`` schemes: every one the comm feature offers.
@@ -278,7 +284,7 @@ class Run:
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and len(self.records) == self.case.iterations
+        return self.returncode == 0 and len(self.records) == self.case.recorded
 
 
 def _cap_address_space() -> None:
@@ -290,9 +296,10 @@ def _cap_address_space() -> None:
 
 
 def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: Sequence[str] = (),
-             timeout: float = 600) -> Run:
-    """Train ``c`` under ``launcher`` (twice for a resume case); records come from the last rank (the last
-    pipeline stage)."""
+             timeout: float = 600, save_at: int | None = None) -> Run:
+    """Train ``c`` under ``launcher``, saving a checkpoint every ``save_at`` iterations (for the cases that resume
+    from it); a resume case loads its reference's (:func:`resume_point`). Records come from the last rank (the
+    last pipeline stage)."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / c.name
     for old in [*workdir.glob(f"{c.name}.rank*.jsonl"), *workdir.glob(f"{c.name}.rank*.report.json")]:
@@ -303,22 +310,37 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
         if c.fresh_profile:
             db.unlink(missing_ok=True)
         flags += ["--adacc-profile-db", str(db)]
+    checkpoints = workdir / f"{c.name}.checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    if save_at is not None:
+        flags += ["--save", str(checkpoints), "--save-interval", str(save_at)]
     if c.resume_at is None:
         run = _launch(c, launcher, workdir, flags, timeout)
+    elif (point := resume_point(c, workdir)) is None:
+        run = Run(c, 1, 0.0, output=f"{c.reference} saved no checkpoint at iteration {c.resume_at}: nothing to resume")
     else:
-        checkpoints = workdir / f"{c.name}.checkpoints"
-        shutil.rmtree(checkpoints, ignore_errors=True)
-        run = _launch(c, launcher, workdir, [*flags, "--save", str(checkpoints), "--save-interval",
-                                             str(c.resume_at), "--exit-interval", str(c.resume_at)], timeout)
-        if run.returncode == 0:
-            second = _launch(c, launcher, workdir, [*flags, "--load", str(checkpoints)], timeout)
-            run = Run(c, second.returncode, run.wall_s + second.wall_s, output=run.output + second.output)
+        run = _launch(c, launcher, workdir, [*flags, "--load", str(point)], timeout)
     (workdir / f"{c.name}.log").write_text(run.output)
     last = c.nproc - 1
     if Path(f"{record}.rank{last}.jsonl").exists():
         run.records = read_records(record, last)
     run.reports = {rank: report for rank in range(c.nproc) if (report := read_report(record, rank)) is not None}
     return run
+
+
+def resume_point(c: Case, workdir: Path) -> Path | None:
+    """A checkpoint folder of ``c``'s own holding the iteration its reference saved at ``c.resume_at`` (linked,
+    not copied) as its latest, so that Megatron loads that one and not the reference's last; None if there is
+    none. The reference saved it without stopping, so a save that changed the state its run goes on with, rather
+    than only what it wrote, shows as a difference."""
+    tag = f"iter_{c.resume_at:07d}"
+    saved = workdir / f"{c.reference}.checkpoints" / tag
+    if not saved.is_dir():
+        return None
+    folder = workdir / f"{c.name}.checkpoints"
+    shutil.copytree(saved, folder / tag, copy_function=os.link)
+    (folder / "latest_checkpointed_iteration.txt").write_text(str(c.resume_at))
+    return folder
 
 
 def _launch(c: Case, launcher: EntryPoint | Checkout, workdir: Path, flags: list[str], timeout: float) -> Run:
@@ -365,7 +387,8 @@ def _adacc_on(flags: list[str]) -> bool:
 
 def _probe_budget(c: Case, launcher: EntryPoint | Checkout, workdir: Path) -> list[str]:
     pinned = [] if c.calibrated else ["--adacc-process-baseline", "1MiB"]
-    probe = run_case(Case(f"{c.name}-probe", c.flags, c.nproc, iterations=1, profile_db=c.profile_db,
+    # as long as the case: the probe is refused before it trains, and a calibration it runs lasts the run's steps
+    probe = run_case(Case(f"{c.name}-probe", c.flags, c.nproc, iterations=c.iterations, profile_db=c.profile_db,
                           fresh_profile=c.fresh_profile, calibrated=c.calibrated), launcher, workdir,
                      extra=[*pinned, "--adacc-memory-budget", "1MiB"])
     found = _INFEASIBLE.search(probe.output)
@@ -390,7 +413,11 @@ def compare(run: Run, reference: Run) -> Comparison:
         failed = run if not run.ok else reference
         return Comparison(False, float("nan"), False, f"{failed.case.name} failed (exit {failed.returncode}, "
                                                        f"{len(failed.records)} iterations recorded)")
-    pairs = list(zip(run.records, reference.records))
+    by_iteration = {r["iteration"]: r for r in reference.records}
+    if any(r["iteration"] not in by_iteration for r in run.records):
+        return Comparison(False, float("nan"), False, f"iterations the reference did not record: "
+                                                       f"{[r['iteration'] for r in run.records]}")
+    pairs = [(r, by_iteration[r["iteration"]]) for r in run.records]
     identical = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in pairs)
     diff = max(abs(a["loss"] - b["loss"]) for a, b in pairs)
     return Comparison(identical, diff, identical or diff <= run.case.loss_tolerance)
@@ -408,7 +435,8 @@ def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: 
     Ranks run one thread each, and most of a small case's wall time is its start (importing torch and Megatron
     on one core): two one-rank cases together take about as long as one. Cases that touch the same profile
     database, their own or their budget probe's, run one after the other in the order named: ``auto-warm`` reads
-    what ``auto-cold`` profiled, and a resumed ``auto`` case must solve from the profile its straight run did."""
+    what ``auto-cold`` profiled, and a resumed ``auto`` case must solve from the profile its straight run did. A
+    resumed case also waits for its reference, which saves the checkpoint it starts from."""
     wanted: list[str] = []
 
     def want(c: Case) -> None:  # references first, transitively
@@ -421,6 +449,8 @@ def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: 
         want(c)
     slots = max(1, slots or int(os.environ.get(MATRIX_SLOTS_ENV) or os.cpu_count() or 1))
     pending = [case(name) for name in wanted]
+    # a resumed case starts from its reference's checkpoint, which the reference saves on its way
+    save_at = {c.reference: c.resume_at for c in pending if c.resume_at is not None}
     databases = {c.name: _databases(c) for c in pending}
     need = {c.name: min(c.nproc, slots) for c in pending}
     runs: dict[str, Run] = {}
@@ -429,12 +459,14 @@ def run_matrix(cases: Sequence[Case], launcher: EntryPoint | Checkout, workdir: 
 
     def run(c: Case) -> Run:
         extra = auto_budget_flags(c, launcher, workdir) if _is_auto(c) else []
-        return run_case(c, launcher, workdir, extra=extra)
+        return run_case(c, launcher, workdir, extra=extra, save_at=save_at.get(c.name))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=slots) as pool:
         while pending or running:
             for c in list(pending):  # in order: a case waits for those before it on its databases
                 earlier = [*running.values(), *pending[:pending.index(c)]]
+                if c.resume_at is not None and c.reference not in runs:
+                    continue
                 if need[c.name] <= free and not any(databases[c.name] & databases[o.name] for o in earlier):
                     pending.remove(c)
                     running[pool.submit(run, c)] = c

@@ -9,6 +9,7 @@ the features' end-of-run reports beside them (``<path>.rank<R>.report.json``).
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ def record_iterations(training: ModuleType, path: str) -> None:
         return
     setattr(training, _MARK, True)
     original = training.train_step
+    signature = inspect.signature(original)  # Megatron's, through the wrappers' __wrapped__
     rank = int(os.environ.get("RANK", "0"))
 
     @functools.wraps(original)
@@ -41,7 +43,9 @@ def record_iterations(training: ModuleType, path: str) -> None:
         result = original(*args, **kwargs)
         losses, grad_norm = result[0], result[5]
         loss = losses.get("lm loss") if isinstance(losses, dict) else None
-        record = {"iteration": int(kwargs.get("iteration") or 0) + 1,
+        # by name or by position: a feature's wrapper passes Megatron's arguments on positionally
+        done = signature.bind(*args, **kwargs).arguments.get("iteration")
+        record = {"iteration": int(done or 0) + 1,
                   "loss": float(loss).hex() if loss is not None else None,
                   "grad_norm": float(grad_norm).hex() if grad_norm is not None else None,
                   "skipped": int(result[1])}

@@ -13,10 +13,11 @@ from megatron_adacc.testing import e2e
 def traced(monkeypatch):
     """``run_case`` replaced by a 50 ms sleep that records when each case ran and how many ranks ran beside it."""
     lock = threading.Lock()
-    state = {"ranks": 0, "most": 0, "spans": {}}
+    state = {"ranks": 0, "most": 0, "spans": {}, "saves": {}}
 
-    def fake_run_case(c, launcher, workdir, *, extra=(), timeout=600):
+    def fake_run_case(c, launcher, workdir, *, extra=(), timeout=600, save_at=None):
         with lock:
+            state["saves"][c.name] = save_at
             state["ranks"] += c.nproc
             state["most"] = max(state["most"], state["ranks"])
             start = time.perf_counter()
@@ -60,3 +61,28 @@ def test_cases_sharing_a_profile_database_run_in_order(traced):
         assert spans[first][1] <= spans[then][0], (first, then)
     assert e2e._databases(e2e.case("stock")) == frozenset()
     assert e2e._databases(e2e.case("auto-cold")) == {"cold", "profile"}
+
+
+def test_a_resumed_case_starts_from_its_reference_s_checkpoint_once_the_reference_has_run(traced):
+    """The reference saves where its resumed case loads (one launch for the resumed case, not two), and the
+    resumed case waits for it even where the slots would let both run at once."""
+    _matrix(["gact-resume", "adama-do-dp2-resume", "keep"], slots=4)
+    spans, saves = traced["spans"], traced["saves"]
+    assert saves == {"gact": 5, "gact-resume": None, "adama-do-dp2": 3, "adama-do-dp2-resume": None, "stock": None,
+                     "keep": None}
+    for reference, resumed in [("gact", "gact-resume"), ("adama-do-dp2", "adama-do-dp2-resume")]:
+        assert spans[reference][1] <= spans[resumed][0], (reference, resumed)
+
+
+def test_the_resume_point_is_the_reference_s_checkpoint_at_that_iteration(tmp_path):
+    c = e2e.case("gact-resume")
+    assert e2e.resume_point(c, tmp_path) is None  # the reference saved nothing: the case fails, saying so
+    for it in (5, 10):
+        saved = tmp_path / "gact.checkpoints" / f"iter_{it:07d}" / "megatron_adacc"
+        saved.mkdir(parents=True)
+        (saved / "rank00000.pt").write_bytes(b"%d" % it)
+    (tmp_path / "gact.checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    folder = e2e.resume_point(c, tmp_path)
+    assert (folder / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert sorted(p.name for p in folder.iterdir()) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert (folder / "iter_0000005" / "megatron_adacc" / "rank00000.pt").read_bytes() == b"5"

@@ -45,8 +45,9 @@ def runs(workdir) -> dict[str, e2e.Run]:
 def _explain(run: e2e.Run, runs: dict[str, e2e.Run]) -> str:
     lines = [f"{run.case.name}: exit {run.returncode}, {len(run.records)} iterations"]
     if run.case.reference:
-        ref = runs[run.case.reference]
-        for mine, theirs in zip(run.records, ref.records):
+        theirs_at = {r["iteration"]: r for r in runs[run.case.reference].records}
+        for mine in run.records:
+            theirs = theirs_at.get(mine["iteration"], {"loss": None, "grad_norm": None})
             lines.append(f"  it {mine['iteration']}: loss {mine['loss']!r} vs {theirs['loss']!r}, grad norm "
                          f"{mine['grad_norm']!r} vs {theirs['grad_norm']!r}")
     if not run.ok:
@@ -70,12 +71,15 @@ def _need_all(runs):
 
 
 def test_exact_cases_compare_every_iteration(runs):
-    """A bit-identity verdict covers all iterations of both runs, each of which trained (the loss fell)."""
+    """A bit-identity verdict covers all iterations of both runs (a resumed run: every one after the checkpoint
+    it loaded), each of which trained (the loss fell)."""
     _need_all(runs)
     exact = [r for r in runs.values() if r.case.reference and r.case.loss_tolerance == 0]
     assert len(exact) >= 10
     for run in exact:
-        assert len(run.records) == run.case.iterations == len(runs[run.case.reference].records)
+        c = run.case
+        assert [r["iteration"] for r in run.records] == list(range((c.resume_at or 0) + 1, c.iterations + 1))
+        assert len(runs[c.reference].records) == c.iterations
         assert run.records[-1]["loss"] < run.records[0]["loss"]
 
 
@@ -93,8 +97,9 @@ def test_auto_policies_are_what_the_cases_claim(runs):
 
 
 def test_feature_state_was_saved_and_restored(runs, workdir):
-    """The resumed runs found megatron-adacc's state beside Megatron's checkpoint, one file per rank: not fresh
-    state that happened to agree. (AdamA's moments are its optimizer state, which Megatron saves itself.)"""
+    """The resumed runs found megatron-adacc's state beside Megatron's checkpoint (the one their straight run
+    saved at iteration 5), one file per rank: not fresh state that happened to agree. (AdamA's moments are its
+    optimizer state, which Megatron saves itself.)"""
     _need_all(runs)
     resumed = [(f"resireduce-{scheme}-resume", 2) for scheme in e2e.RESUMED_IN_CI]
     for name, ranks in (*resumed, ("gact-resume", 1), ("auto-int4-resume", 1)):
