@@ -113,10 +113,10 @@ def infeasible_bytes(message: str) -> int | None:
 def auto_floor(flags: list[str]) -> int:
     """The smallest budget ``adacc train FLAGS --adacc-policy auto`` can keep, as the user's command finds it:
     a run asked for 1 MiB is refused naming it (after profiling and calibrating the process memory, which the
-    runs after it then reuse)."""
+    runs after it then reuse). It is refused before it trains, so it keeps the flags' step count: a run shorter
+    than the calibration's 30 steps calibrates over its own, and the floor holds for runs of that length."""
     try:
-        train_method(flags + ["--adacc-policy", "auto", "--adacc-memory-budget", "1MiB", "--train-iters", "1"],
-                     memory_run=False)
+        train_method(flags + ["--adacc-policy", "auto", "--adacc-memory-budget", "1MiB"], memory_run=False)
     except RuntimeError as exc:
         found = infeasible_bytes(str(exc))
         if found is not None:

@@ -157,7 +157,7 @@ def run(args) -> dict:
         sweep, max_batch = _int_keys(recorded["sweep"]), recorded["max_micro_batch"]
     if parts & {"fig6", "fig7"}:
         loss_corpus = _loss_corpus(args.loss_corpus)
-        loss_budget, peak_base, floor = _loss_budget(args, loss_corpus, step)
+        loss_budget, peak_base, floor = _loss_budget(args, loss_corpus, loss_steps, step)
         budget_from = {"baseline_peak_bytes": peak_base, "auto_floor_bytes": floor}
     if "fig6" in parts:
         curves, seeded = _fig6(args, loss_steps, loss_corpus, loss_budget, loss_seeds, step)
@@ -261,15 +261,16 @@ def _loss_corpus(choice: str) -> str:
     return "embedded"
 
 
-def _loss_budget(args, corpus: str, step: Steps) -> tuple[int, int, int]:
+def _loss_budget(args, corpus: str, loss_steps: int, step: Steps) -> tuple[int, int, int]:
     """The budget of Fig. 6 and Fig. 7: a quarter of the way from the smallest budget ``--adacc-policy auto``
     keeps for the loss config to the baseline's peak, so that Adacc compresses and recomputes (under a roomy
     budget it keeps everything and its curve is the baseline's). Returns ``(budget, baseline peak, auto's
-    floor)``, both measured as the user's own commands find them."""
+    floor)``, both measured as the user's own commands find them; the floor for runs of ``loss_steps`` (the
+    process memory is calibrated over a run's own steps where it is shorter than the calibration)."""
     short = ["--config", args.loss_config, "--train-iters", "3", "--corpus", corpus, *attention_flags(args)]
     step("loss config: the baseline's peak and the smallest budget auto keeps")
     peak_base = train_method(short)["peak_memory_bytes"]
-    floor = auto_floor(short)
+    floor = auto_floor([*short, "--train-iters", str(loss_steps)])  # refused before it trains
     budget = int(floor + 0.25 * max(0, peak_base - floor))
     harness.LOG.info(f"Adacc budget of the loss config: {budget / 2**20:.0f} MiB (auto keeps {floor / 2**20:.0f} MiB "
                      f"at the least, the baseline peaks at {peak_base / 2**20:.0f} MiB)")
