@@ -310,7 +310,7 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
         if c.fresh_profile:
             db.unlink(missing_ok=True)
         flags += ["--adacc-profile-db", str(db)]
-    checkpoints = workdir / f"{c.name}.checkpoints"
+    checkpoints = checkpoint_folder(workdir, c.name)
     shutil.rmtree(checkpoints, ignore_errors=True)
     if save_at is not None:
         flags += ["--save", str(checkpoints), "--save-interval", str(save_at)]
@@ -328,16 +328,21 @@ def run_case(c: Case, launcher: EntryPoint | Checkout, workdir: Path, *, extra: 
     return run
 
 
+def checkpoint_folder(workdir: Path, name: str) -> Path:
+    """Where the case ``name`` saves (``--save``) or, resumed, loads its checkpoints."""
+    return workdir / f"{name}.checkpoints"
+
+
 def resume_point(c: Case, workdir: Path) -> Path | None:
     """A checkpoint folder of ``c``'s own holding the iteration its reference saved at ``c.resume_at`` (linked,
     not copied) as its latest, so that Megatron loads that one and not the reference's last; None if there is
     none. The reference saved it without stopping, so a save that changed the state its run goes on with, rather
     than only what it wrote, shows as a difference."""
     tag = f"iter_{c.resume_at:07d}"
-    saved = workdir / f"{c.reference}.checkpoints" / tag
+    saved = checkpoint_folder(workdir, c.reference) / tag
     if not saved.is_dir():
         return None
-    folder = workdir / f"{c.name}.checkpoints"
+    folder = checkpoint_folder(workdir, c.name)
     shutil.copytree(saved, folder / tag, copy_function=os.link)
     (folder / "latest_checkpointed_iteration.txt").write_text(str(c.resume_at))
     return folder

@@ -105,7 +105,7 @@ def test_feature_state_was_saved_and_restored(runs, workdir):
     for name, ranks in (*resumed, ("gact-resume", 1), ("auto-int4-resume", 1)):
         assert "start afresh" not in runs[name].output, name
         for rank in range(ranks):
-            folder = workdir / f"{name}.checkpoints" / "iter_0000005" / "megatron_adacc"
+            folder = e2e.checkpoint_folder(workdir, name) / "iter_0000005" / "megatron_adacc"
             assert (folder / f"rank{rank:05d}.pt").is_file(), folder
 
 

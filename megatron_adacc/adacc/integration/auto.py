@@ -286,6 +286,8 @@ def calibration_steps(args: Any) -> int:
     (:func:`_run_key`), so a longer run never reuses it."""
     iters = getattr(args, "train_iters", None)
     return min(CALIBRATION_STEPS, int(iters)) if iters else CALIBRATION_STEPS
+
+
 #: The budget a calibration run solves for: one every policy fits, so the solver keeps everything (the fastest).
 _UNBOUNDED = 2**62
 
